@@ -1,0 +1,169 @@
+"""``param_groups(model)``: which parameters get an orthonormal rule; ``explain(optimizer)``: what each gets.
+
+Embeddings and output heads are matrices, but orthonormal updates suit neither (their rows are
+looked up or scored one token at a time), so they go to AdamW with every vector parameter.
+They are found by module type and tensor identity (tied weights), never by name alone.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from orthoptim.optim.base import OrthonormalOptimizer
+from orthoptim.optim.validation import MATRIX_ALGORITHMS
+from orthoptim.rules.lr_scale import lr_scale
+
+_EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
+    """id(param) → (kind, reason) for every trainable parameter, kind in matrix/conv/scalar."""
+    embeddings: dict[int, str] = {}
+    vocab_sizes: set[int] = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, _EMBEDDING_TYPES):
+            embeddings[id(module.weight)] = mname or "<root>"
+            vocab_sizes.add(module.num_embeddings)
+    # The output head: the last nn.Linear whose output size is an embedding's vocabulary size.
+    head_id = None
+    for _mname, module in model.named_modules():
+        if isinstance(module, nn.Linear) and module.out_features in vocab_sizes:
+            head_id = id(module.weight)
+    kinds: dict[int, tuple[str, str]] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in kinds:
+                continue
+            if id(p) in embeddings:
+                tied = " (tied to the output head)" if id(p) == head_id else ""
+                kinds[id(p)] = ("scalar", f"embedding of {embeddings[id(p)]}{tied}")
+            elif id(p) == head_id:
+                kinds[id(p)] = ("scalar", "output head (outputs one score per vocabulary entry)")
+            elif p.ndim < 2:
+                kinds[id(p)] = ("scalar", "vector (bias or norm)")
+            elif isinstance(module, _CONV_TYPES) and pname == "weight":
+                kinds[id(p)] = ("conv", "conv weight, flattened to [out, in·k…]")
+            elif p.ndim in (2, 3):
+                kinds[id(p)] = ("matrix", "matrix" if p.ndim == 2 else "batch of matrices")
+            else:
+                kinds[id(p)] = ("scalar", f"{p.ndim}-D tensor outside a conv module")
+    return kinds
+
+
+def param_groups(
+    model: nn.Module,
+    *,
+    algorithm: str | None = None,
+    scalar_algorithm: str = "adamw",
+    scalar_lr: float | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Split ``model``'s trainable parameters into optimizer groups.
+
+    - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
+      (or ``algorithm`` when given); conv weights → the same rule with ``flatten=True``;
+    - embeddings, the output head (tied or not), biases, norms → ``scalar_algorithm`` ("adamw" or
+      "lion"), with ``lr=scalar_lr`` when given;
+    - ``overrides`` maps name patterns (``fnmatch``, e.g. ``"*.qkv.weight"``) to group options
+      (``{"split_sizes": [512, 128, 128]}``, ``{"algorithm": "adamw"}``…); the first matching
+      pattern wins and its options are applied on top.
+
+    Every group carries ``param_names`` (so errors and ``explain`` name parameters) and a ``name``
+    that says why its parameters are there.
+    """
+    if scalar_algorithm not in ("adamw", "lion"):
+        raise ValueError(f"scalar_algorithm={scalar_algorithm!r} must be 'adamw' or 'lion'")
+    if algorithm is not None and algorithm not in MATRIX_ALGORITHMS + ("adamw", "lion"):
+        raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {list(MATRIX_ALGORITHMS)}")
+    overrides = dict(overrides or {})
+    kinds = _classify(model)
+    groups: dict[tuple, dict[str, Any]] = {}
+    used_patterns: set[str] = set()
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) not in kinds or id(p) in seen:
+            continue
+        seen.add(id(p))
+        kind, _reason = kinds[id(p)]
+        options: dict[str, Any] = {}
+        if kind == "scalar":
+            options["algorithm"] = scalar_algorithm
+            if scalar_lr is not None:
+                options["lr"] = scalar_lr
+        else:
+            if algorithm is not None:
+                options["algorithm"] = algorithm
+            if kind == "conv":
+                options["flatten"] = True
+        pattern = next((pat for pat in overrides if fnmatch.fnmatchcase(name, pat)), None)
+        if pattern is not None:
+            used_patterns.add(pattern)
+            options.update(overrides[pattern])
+        label = pattern or kind
+        key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        group = groups.setdefault(key, {"name": label, "params": [], "param_names": [], **options})
+        group["params"].append(p)
+        group["param_names"].append(name)
+    unused = sorted(set(overrides) - used_patterns)
+    if unused:
+        raise ValueError(f"overrides pattern(s) {unused} matched no trainable parameter; check the names "
+                         "with [n for n, _ in model.named_parameters()]")
+    return list(groups.values())
+
+
+def describe_assignment(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """(name, shape, kind, reason) per trainable parameter: how ``param_groups`` decided."""
+    kinds = _classify(model)
+    out = []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in kinds and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, tuple(p.shape), *kinds[id(p)]))
+    return out
+
+
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor) and v.ndim > 0)
+
+
+def explain(optimizer: torch.optim.Optimizer) -> str:
+    """A table with one row per parameter: name, shape, rule, matrix view, lr·scale, weight decay, state bytes."""
+    header = ("parameter", "shape", "rule", "matrix view", "lr x scale", "wd", "state bytes")
+    rows = [header]
+    total = 0
+    for gi, group in enumerate(optimizer.param_groups):
+        algorithm = group.get("algorithm", type(optimizer).__name__.lower())
+        names = group.get("param_names") or [None] * len(group["params"])
+        for j, p in enumerate(group["params"]):
+            name = names[j] or (optimizer.param_name(p) if isinstance(optimizer, OrthonormalOptimizer)
+                                else f"param_groups[{gi}].params[{j}]")
+            state_bytes = _state_bytes(optimizer.state.get(p, {}))
+            total += state_bytes
+            if isinstance(optimizer, OrthonormalOptimizer) and algorithm in MATRIX_ALGORITHMS:
+                view = optimizer._view(p, group)
+                scales = sorted({lr_scale(r, c, group["adjust_lr"]) for r, c in view.block_shapes()})
+                lr_text = ", ".join(f"{group['lr'] * s:.3g}" for s in scales)
+                view_text = view.describe()
+                rule = algorithm
+                if algorithm in ("dion3", "dion2"):
+                    rule += f" f={group['fraction']:g}"
+                elif algorithm == "dion":
+                    rank = max(1, math.ceil(group["rank_fraction"] * min(view.block_shapes()[0]) - 1e-9))
+                    rule += f" r={rank}"
+            else:
+                lr_text, view_text, rule = f"{group['lr']:.3g}", "-", algorithm
+            rows.append((name, str(list(p.shape)), rule, view_text, lr_text, f"{group.get('weight_decay', 0):g}",
+                         f"{state_bytes:,}"))
+    rows.append(("total", "", "", "", "", "", f"{total:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,155 @@
+"""The public optimizer classes. Each one only chooses defaults; any group may still pick any
+``algorithm`` (so one optimizer serves matrices and the AdamW/Lion groups of a model)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import Tensor
+
+from orthoptim.optim.base import OrthonormalOptimizer
+
+Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
+OrthogonalizerSpec = str | Callable[[Tensor], Tensor] | None
+
+
+class Dion3(OrthonormalOptimizer):
+    """Dion3: each step orthogonalizes only the ``fraction`` of momentum rows with the largest L1
+    norm (Gram Newton-Schulz), normalizes them per neuron, and keeps the rest in momentum
+    (error feedback). See ``orthoptim.rules.dion3``."""
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.01,
+        fraction: float = 0.25,
+        mu: float = 0.95,
+        muon_beta2: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        adjust_lr: str | None = "spectral_norm",
+        orthogonalizer: OrthogonalizerSpec = "gram",
+        flatten: bool = False,
+        nonfinite: str = "raise",
+        selection_scope: str = "local",
+        distributed_mesh: Any = None,
+    ) -> None:
+        super().__init__(params, dict(
+            algorithm="dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
+            weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer,
+            flatten=flatten, nonfinite=nonfinite, selection_scope=selection_scope,
+        ), distributed_mesh=distributed_mesh)
+
+
+class Dion2(OrthonormalOptimizer):
+    """Dion2: orthogonalize the ``fraction`` of rows or columns (shorter side) of the momentum with
+    the largest L1 norm; ``mu`` is the error-feedback decay of the selected slices."""
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.01,
+        fraction: float = 0.25,
+        mu: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        adjust_lr: str | None = "spectral_norm",
+        orthogonalizer: OrthogonalizerSpec = "polar_express",
+        flatten: bool = False,
+        nonfinite: str = "raise",
+        selection_scope: str = "local",
+        distributed_mesh: Any = None,
+    ) -> None:
+        super().__init__(params, dict(
+            algorithm="dion2", lr=lr, fraction=fraction, mu=mu, betas=betas, weight_decay=weight_decay,
+            epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer, flatten=flatten,
+            nonfinite=nonfinite, selection_scope=selection_scope,
+        ), distributed_mesh=distributed_mesh)
+
+
+class Muon(OrthonormalOptimizer):
+    """Muon: momentum, orthogonalized by Newton-Schulz (Polar Express coefficients by default)."""
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.01,
+        mu: float = 0.95,
+        nesterov: bool = False,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        adjust_lr: str | None = "spectral_norm",
+        orthogonalizer: OrthogonalizerSpec = "polar_express",
+        flatten: bool = False,
+        nonfinite: str = "raise",
+        distributed_mesh: Any = None,
+    ) -> None:
+        super().__init__(params, dict(
+            algorithm="muon", lr=lr, mu=mu, nesterov=nesterov, betas=betas, weight_decay=weight_decay,
+            epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer, flatten=flatten,
+            nonfinite=nonfinite,
+        ), distributed_mesh=distributed_mesh)
+
+
+class NorMuon(OrthonormalOptimizer):
+    """NorMuon: Muon with per-neuron (row) second-moment normalization of the orthogonalized update."""
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.01,
+        mu: float = 0.95,
+        muon_beta2: float = 0.95,
+        nesterov: bool = False,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        adjust_lr: str | None = "spectral_norm",
+        orthogonalizer: OrthogonalizerSpec = "polar_express",
+        flatten: bool = False,
+        nonfinite: str = "raise",
+        distributed_mesh: Any = None,
+    ) -> None:
+        super().__init__(params, dict(
+            algorithm="normuon", lr=lr, mu=mu, muon_beta2=muon_beta2, nesterov=nesterov, betas=betas,
+            weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer,
+            flatten=flatten, nonfinite=nonfinite,
+        ), distributed_mesh=distributed_mesh)
+
+
+class Dion(OrthonormalOptimizer):
+    """Dion: rank-r orthonormal updates (r = ceil(rank_fraction·min(m, n))) by one step of power
+    iteration per optimizer step, with error feedback of what the low-rank update leaves out."""
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 0.01,
+        rank_fraction: float = 1.0,
+        mu: float = 0.95,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.01,
+        epsilon: float = 1e-8,
+        adjust_lr: str | None = "spectral_norm",
+        qr_method: str = "cholesky_qr",
+        flatten: bool = False,
+        nonfinite: str = "raise",
+        replicate_mesh: Any = None,
+        outer_shard_mesh: Any = None,
+        inner_shard_mesh: Any = None,
+    ) -> None:
+        for name, mesh in (("replicate_mesh", replicate_mesh), ("outer_shard_mesh", outer_shard_mesh),
+                           ("inner_shard_mesh", inner_shard_mesh)):
+            if mesh is not None:
+                raise NotImplementedError(
+                    f"{name}: this version of orthoptim runs on a single process only; pass {name}=None"
+                )
+        super().__init__(params, dict(
+            algorithm="dion", lr=lr, rank_fraction=rank_fraction, mu=mu, betas=betas,
+            weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, qr_method=qr_method,
+            flatten=flatten, nonfinite=nonfinite,
+        ))

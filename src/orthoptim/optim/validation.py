@@ -1,0 +1,77 @@
+"""Up-front checks of every hyperparameter, with errors that name the value and the fix."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from orthoptim.orthogonalize import get_orthogonalizer
+from orthoptim.rules.lr_scale import ADJUST_LR_MODES
+
+MATRIX_ALGORITHMS = ("dion3", "dion2", "dion", "muon", "normuon")
+SCALAR_ALGORITHMS = ("adamw", "lion")
+ALGORITHMS = MATRIX_ALGORITHMS + SCALAR_ALGORITHMS
+NONFINITE_MODES = ("raise", "skip")
+SELECTION_SCOPES = ("local", "global")
+QR_METHODS = ("cholesky_qr", "qr")
+
+
+def _number(group: Mapping[str, Any], key: str, where: str) -> float:
+    value = group[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key}={value!r} in {where} must be a finite number")
+    return float(value)
+
+
+def _in_range(group, key, where, low, high, *, low_open=False, high_open=False, hint=""):
+    v = _number(group, key, where)
+    bad = (v <= low if low_open else v < low) or (v >= high if high_open else v > high)
+    if bad:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"{key}={v} in {where} must be in {interval}{hint}")
+
+
+def validate_group(group: Mapping[str, Any], where: str) -> None:
+    """Check the hyperparameters of one param group (defaults merged in). Raises ValueError."""
+    algorithm = group["algorithm"]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm={algorithm!r} in {where} is unknown; use one of {list(ALGORITHMS)}")
+    _in_range(group, "lr", where, 0.0, math.inf, hint="; learning rates are non-negative")
+    _in_range(group, "weight_decay", where, 0.0, math.inf, hint="; use 0 to disable weight decay")
+    _in_range(group, "epsilon", where, 0.0, math.inf, low_open=True, hint="; a small positive guard like 1e-8")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas={betas!r} in {where} must be a pair (beta1, beta2)")
+    for i, b in enumerate(betas):
+        _in_range({f"betas[{i}]": b}, f"betas[{i}]", where, 0.0, 1.0, high_open=True)
+    if algorithm in SCALAR_ALGORITHMS:
+        return
+    _in_range(group, "mu", where, 0.0, 1.0, high_open=True, hint="; the usual value is 0.95")
+    _in_range(group, "fraction", where, 0.0, 1.0, low_open=True, hint="; e.g. 0.25 updates a quarter of the rows")
+    _in_range(group, "rank_fraction", where, 0.0, 1.0, low_open=True, hint="; e.g. 0.25, 1/16 or 1/64")
+    _in_range(group, "muon_beta2", where, 0.0, 1.0, high_open=True)
+    if group["adjust_lr"] not in ADJUST_LR_MODES:
+        raise ValueError(
+            f"adjust_lr={group['adjust_lr']!r} in {where} is unknown; use 'spectral_norm', 'rms_norm' or None"
+        )
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"nesterov={group['nesterov']!r} in {where} must be True or False")
+    if not isinstance(group["flatten"], bool):
+        raise ValueError(f"flatten={group['flatten']!r} in {where} must be True or False")
+    if group["nonfinite"] not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite={group['nonfinite']!r} in {where} must be 'raise' or 'skip'")
+    if group["selection_scope"] not in SELECTION_SCOPES:
+        raise ValueError(f"selection_scope={group['selection_scope']!r} in {where} must be 'local' or 'global'")
+    if group["qr_method"] not in QR_METHODS:
+        raise ValueError(f"qr_method={group['qr_method']!r} in {where} must be 'cholesky_qr' or 'qr'")
+    if group["orthogonalizer"] is not None:
+        get_orthogonalizer(group["orthogonalizer"], name=f"orthogonalizer in {where}")
+    heads = group["num_heads"]
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0):
+        raise ValueError(f"num_heads={heads!r} in {where} must be a positive int or None")
+    splits = group["split_sizes"]
+    if splits is not None and (
+        isinstance(splits, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in splits)
+    ):
+        raise ValueError(f"split_sizes={splits!r} in {where} must be a sequence of ints or None")

@@ -1,0 +1,70 @@
+"""Gram Newton-Schulz: the Newton-Schulz iteration carried out on the small Gram matrix X Xᵀ.
+
+For X of shape k×n (k ≤ n) standard NS costs ~2k²n + k³ per iteration; here only two k×n
+products are paid per restart (R = X Xᵀ at the start, X ← Q X at the end) and every product
+inside the loop is k×k and symmetric. The result equals standard NS with the same coefficients
+in exact arithmetic, because every iterate X_t = Q_t X_0 with Q_t a polynomial in R_0 = X_0 X_0ᵀ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from orthoptim import kernels
+from orthoptim.orthogonalize._common import as_batch, normalize, working_dtype
+from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
+from orthoptim.orthogonalize.newton_schulz import newton_schulz
+
+# One restart after the second iteration, as published for fp16: the first two Polar Express
+# polynomials are steep, and forming Q from them accumulates round-off that a fresh X Xᵀ removes.
+DEFAULT_RESTARTS: tuple[int, ...] = (2,)
+
+
+def gram_newton_schulz(
+    x: Tensor,
+    coefficients: str | Sequence[Sequence[float]] = POLAR_EXPRESS,
+    *,
+    restarts: Sequence[int] = DEFAULT_RESTARTS,
+    dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+) -> Tensor:
+    """Approximate the polar factor of every matrix in ``x`` ([..., k, n]) by Gram Newton-Schulz.
+
+    ``restarts`` lists the iteration indices (0-based) before which X ← Q X and R = X Xᵀ are
+    recomputed. Square matrices gain nothing from the Gram form and use standard NS.
+    Runs in ``dtype`` (default: fp16 on CUDA, fp32 otherwise); returns ``x.dtype``.
+    """
+    coeffs = as_coefficients(coefficients)
+    restart_at = set(int(i) for i in restarts)
+    if any(i < 0 for i in restart_at):
+        raise ValueError(f"restarts must be non-negative iteration indices, got {sorted(restart_at)}")
+    batch, lead = as_batch(x)
+    k, n = batch.shape[-2:]
+    if k == n:
+        return newton_schulz(x, coeffs, dtype=dtype, eps=eps)
+    transposed = k > n
+    if transposed:
+        batch = batch.mT
+    X = normalize(batch, working_dtype(x, dtype, torch.float16), eps)
+
+    R = kernels.gram(X)
+    Q: Tensor | None = None  # None stands for the identity
+    last = len(coeffs) - 1
+    for i, (a, b, c) in enumerate(coeffs):
+        if i in restart_at and Q is not None:
+            X = torch.bmm(Q, X)
+            R = kernels.gram(X)
+            Q = None
+        P = kernels.symmetric_polynomial(R, a, b, c)
+        Q = P if Q is None else torch.bmm(Q, P)
+        # R ← P R P, skipped where nothing reads it (last iteration, or a restart comes next).
+        if i < last and (i + 1) not in restart_at:
+            R = torch.bmm(P, torch.bmm(R, P))
+    if Q is not None:
+        X = torch.bmm(Q, X)
+    if transposed:
+        X = X.mT
+    return X.to(x.dtype).reshape(*lead, *X.shape[-2:])

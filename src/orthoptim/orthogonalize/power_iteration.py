@@ -1,0 +1,59 @@
+"""Dion's amortized power iteration: orthonormal columns by (Cholesky-)QR, one step per optimizer step."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Cholesky-QR loses orthogonality like κ(P)²·u (u = unit round-off). Above this bound on κ²·u we
+# no longer trust even the second Cholesky-QR pass and use Householder QR instead.
+_CHOLESKY_QR_MAX_ERROR = 1e-2
+
+
+def _cholesky_qr(p: Tensor) -> tuple[Tensor, Tensor]:
+    """One Cholesky-QR pass: P R⁻¹ with Rᵀ R = Pᵀ P. Returns (Q, ok) where ok flags trusted batches."""
+    gram = torch.bmm(p.mT, p)
+    L, info = torch.linalg.cholesky_ex(gram)
+    diag = L.diagonal(dim1=-2, dim2=-1)
+    # The Cholesky diagonal bounds the spread of singular values; its ratio squared estimates κ².
+    cond_sq = (diag.amax(-1) / diag.amin(-1).clamp_min(torch.finfo(p.dtype).tiny)) ** 2
+    ok = (info == 0) & torch.isfinite(diag).all(-1) & (cond_sq * torch.finfo(p.dtype).eps < _CHOLESKY_QR_MAX_ERROR)
+    q = torch.linalg.solve_triangular(L.mT, p, upper=True, left=False)
+    return q, ok
+
+
+def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr") -> Tensor:
+    """Orthonormal basis of the column space of every matrix in ``p`` ([B, m, r], r ≤ m).
+
+    ``"cholesky_qr"`` (default): two Cholesky-QR passes (CholeskyQR2: two r×r Cholesky solves,
+    much cheaper than Householder on tall matrices), with Householder QR for every matrix whose
+    Cholesky factor is not finite or too ill-conditioned. ``"qr"``: Householder QR always.
+    """
+    if method not in ("cholesky_qr", "qr"):
+        raise ValueError(f"method={method!r} is not supported; use 'cholesky_qr' or 'qr'")
+    work = p if p.dtype in (torch.float32, torch.float64) else p.float()
+    if method == "qr":
+        return torch.linalg.qr(work).Q.to(p.dtype)
+    q, ok = _cholesky_qr(work)
+    q2, ok2 = _cholesky_qr(torch.nan_to_num(q))
+    ok = ok & ok2 & torch.isfinite(q2).flatten(1).all(-1)
+    if not bool(ok.all()):
+        bad = (~ok).nonzero().flatten()
+        q2 = q2.clone()
+        q2[bad] = torch.linalg.qr(work[bad]).Q
+    return q2.to(p.dtype)
+
+
+def power_iteration(b: Tensor, q: Tensor, method: str = "cholesky_qr") -> tuple[Tensor, Tensor]:
+    """One step of amortized power iteration for B [Bt, m, n] with right factor Q [Bt, n, r].
+
+    Returns P = orth_cols(B Q) [Bt, m, r] and R = Bᵀ P [Bt, n, r]: two matmuls with B.
+    """
+    p = orthonormalize_columns(torch.bmm(b, q), method)
+    r = torch.bmm(b.mT, p)
+    return p, r
+
+
+def normalize_columns(r: Tensor, eps: float) -> Tensor:
+    """R / ‖R‖ per column (ε-guarded), the next step's right factor Q."""
+    return r / (torch.linalg.vector_norm(r, dim=-2, keepdim=True) + eps)

@@ -1,0 +1,40 @@
+"""Dion: low-rank orthonormal updates by amortized power iteration with error feedback.
+
+B = M + G;  P = orth_cols(B Q);  R = Bᵀ P;  M ← B − (1−μ)·P Rᵀ;  Q ← R / ‖R‖_col;
+X ← X(1 − lr·wd);  X ← X − lr·s(m,n)·P Qᵀ.   Q (n×r) carries over between steps, so one power
+iteration per step tracks the top-r singular subspace of the slowly changing momentum.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from orthoptim.orthogonalize import normalize_columns, orthonormalize_columns
+from orthoptim.rules import momentum, weight_decay
+
+
+def dion_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    right_factors: list[Tensor],
+    *,
+    lr: float,
+    mu: float,
+    eps: float,
+    weight_decay_rate: float,
+    scale: float,
+    qr_method: str = "cholesky_qr",
+) -> None:
+    """One Dion step for a megabatch of same-shape matrices with right factors Q ([n, r] views)."""
+    momentum.accumulate_(momenta, grads, 1.0)  # B = M + G, held in M
+    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method)
+    r = torch.stack([b.mT @ pi for b, pi in zip(momenta, p)])
+    for b, pi, ri in zip(momenta, p, r):
+        b.addmm_(pi, ri.mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
+    q_new = normalize_columns(r, eps)
+    torch._foreach_copy_(right_factors, list(q_new.unbind(0)))
+    weight_decay.decay_(params, lr, weight_decay_rate)
+    for x, pi, qi in zip(params, p, q_new):
+        x.addmm_(pi.to(x.dtype), qi.mT.to(x.dtype), alpha=-lr * scale)

@@ -1,0 +1,41 @@
+"""Dion2: orthogonalize only the k = ceil(f·d) slices of the momentum with largest L1 norm.
+
+M ← M + G;  S = top-k slices;  U = M[S];  M[S] ← μ·M[S] (error feedback: what was not applied
+stays in momentum, what was applied decays);  X ← X(1 − lr·wd);  X[S] ← X[S] − lr·s(m,n)·orth(U).
+Slices are rows when m ≤ n and columns otherwise (the shorter side), so U is as wide as possible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from orthoptim.rules import momentum, selection, weight_decay
+
+
+def dion2_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    *,
+    lr: float,
+    fraction: float,
+    mu: float,
+    weight_decay_rate: float,
+    scale: float,
+    orthogonalize: Callable[[Tensor], Tensor],
+    dim: int | None = None,
+) -> None:
+    """One Dion2 step for a megabatch of same-shape matrices; ``dim`` forces rows (0) or columns (1)."""
+    rows, cols = momenta[0].shape
+    if dim is None:
+        dim = 0 if rows <= cols else 1
+    momentum.accumulate_(momenta, grads, 1.0)
+    k = selection.num_selected(momenta[0].shape[dim], fraction)
+    index = selection.top_slices(momenta, k, dim)
+    u = selection.gather_slices(momenta, index, dim)
+    selection.scatter_slices_(momenta, index, u * mu, dim)
+    o = orthogonalize(u)
+    weight_decay.decay_(params, lr, weight_decay_rate)
+    selection.add_slices_(params, index, o, dim, alpha=-lr * scale)

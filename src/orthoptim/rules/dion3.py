@@ -1,0 +1,45 @@
+"""Dion3: Dion2's rule on rows with NorMuon's per-neuron normalization on the selected rows.
+
+M ← M + G;  S = top-k rows by L1 norm (k = ceil(f·m));  U = M[S];  M[S] ← μ·M[S];
+O = orth(U) (Gram Newton-Schulz by default);  V[S] ← β₂V[S] + (1−β₂)·mean_j(O²), other rows of V
+untouched;  Ô = O/(√V[S] + ε) rescaled to ‖O‖_F;  X ← X(1 − lr·wd);  X[S] ← X[S] − lr·s(m,n)·Ô.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from orthoptim.rules import momentum, normalization, selection, weight_decay
+
+
+def dion3_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    variances: list[Tensor],
+    *,
+    lr: float,
+    fraction: float,
+    mu: float,
+    beta2: float,
+    eps: float,
+    weight_decay_rate: float,
+    scale: float,
+    orthogonalize: Callable[[Tensor], Tensor],
+) -> None:
+    """One Dion3 step for a megabatch of same-shape matrices; ``variances`` are [m] row views."""
+    momentum.accumulate_(momenta, grads, 1.0)
+    k = selection.num_selected(momenta[0].shape[0], fraction)
+    index = selection.top_slices(momenta, k, 0)
+    u = selection.gather_slices(momenta, index, 0)
+    selection.scatter_slices_(momenta, index, u * mu, 0)
+    o = orthogonalize(u)
+    v_selected = torch.stack([v[i] for v, i in zip(variances, index)])
+    o_hat, v_new = normalization.normalize_rows(o, v_selected, beta2, eps)
+    for v, i, new in zip(variances, index, v_new):
+        v.index_copy_(0, i, new)
+    weight_decay.decay_(params, lr, weight_decay_rate)
+    selection.add_slices_(params, index, o_hat, 0, alpha=-lr * scale)

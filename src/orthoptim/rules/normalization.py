@@ -1,0 +1,22 @@
+"""NorMuon's per-neuron (row) normalization of an orthogonalized update."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def normalize_rows(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-row second-moment normalization of a batch O [B, k, n], computed in fp32.
+
+    V ← β₂ V + (1 − β₂)·mean_j(O²) (V is [B, k]); Ô = O / (√V + ε), rescaled per matrix so that
+    ‖Ô‖_F = ‖O‖_F: rows that were large on average shrink, small ones grow, total size is kept.
+    Returns (Ô, new V).
+    """
+    o32 = o.float()
+    v_new = torch.lerp(o32.square().mean(-1), v.float(), beta2)  # β₂V + (1−β₂)·mean(O²)
+    o_hat = o32 / (v_new.sqrt() + eps).unsqueeze(-1)
+    norm_o = torch.linalg.vector_norm(o32, dim=(-2, -1), keepdim=True)
+    norm_hat = torch.linalg.vector_norm(o_hat, dim=(-2, -1), keepdim=True)
+    o_hat = o_hat * (norm_o / (norm_hat + eps))
+    return o_hat, v_new.to(v.dtype)

@@ -1,0 +1,42 @@
+"""Slice selection for Dion2 / Dion3: pick the k rows (or columns) of largest L1 norm."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def num_selected(size: int, fraction: float) -> int:
+    """k = ceil(fraction · size), at least 1."""
+    return max(1, math.ceil(fraction * size - 1e-9))
+
+
+def top_slices(momenta: list[Tensor], k: int, dim: int) -> Tensor:
+    """Indices [B, k] of the k slices along ``dim`` (0: rows, 1: columns) with largest L1 norm."""
+    norms = torch.stack([torch.linalg.vector_norm(m, ord=1, dim=1 - dim) for m in momenta])
+    return torch.topk(norms, k, dim=-1, sorted=False).indices
+
+
+def gather_slices(momenta: list[Tensor], index: Tensor, dim: int) -> Tensor:
+    """The selected slices as one batch: [B, k, n] for rows, [B, m, k] for columns."""
+    m0 = momenta[0]
+    shape = list(m0.shape)
+    shape[dim] = index.shape[-1]
+    out = torch.empty((len(momenta), *shape), dtype=m0.dtype, device=m0.device)
+    for i, m in enumerate(momenta):
+        torch.index_select(m, dim, index[i], out=out[i])
+    return out
+
+
+def scatter_slices_(targets: list[Tensor], index: Tensor, values: Tensor, dim: int) -> None:
+    """targets[i][S_i] ← values[i] along ``dim``."""
+    for i, t in enumerate(targets):
+        t.index_copy_(dim, index[i], values[i].to(t.dtype))
+
+
+def add_slices_(targets: list[Tensor], index: Tensor, values: Tensor, dim: int, alpha: float) -> None:
+    """targets[i][S_i] ← targets[i][S_i] + alpha · values[i] along ``dim``."""
+    for i, t in enumerate(targets):
+        t.index_add_(dim, index[i], values[i].to(t.dtype), alpha=alpha)
