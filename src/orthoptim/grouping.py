@@ -37,7 +37,7 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
         if isinstance(module, nn.Linear) and module.out_features in vocab_sizes:
             head_id = id(module.weight)
     kinds: dict[int, tuple[str, str]] = {}
-    for mname, module in model.named_modules():
+    for _mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in kinds:
                 continue
@@ -80,7 +80,7 @@ def param_groups(
     """
     if scalar_algorithm not in ("adamw", "lion"):
         raise ValueError(f"scalar_algorithm={scalar_algorithm!r} must be 'adamw' or 'lion'")
-    if algorithm is not None and algorithm not in MATRIX_ALGORITHMS + ("adamw", "lion"):
+    if algorithm is not None and algorithm not in (*MATRIX_ALGORITHMS, "adamw", "lion"):
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {list(MATRIX_ALGORITHMS)}")
     overrides = dict(overrides or {})
     kinds = _classify(model)
