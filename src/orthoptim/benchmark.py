@@ -1,0 +1,118 @@
+"""Shared pieces for measuring optimizer speed: GPT-shaped parameter sets, timing, accuracy.
+
+Used by ``benchmarks/step_time.py`` and ``orthoptim bench``. Timing reports every repeat so callers
+quote medians, never single runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import orthoptim
+from orthoptim.orthogonalize import svd_polar
+
+# d_model, layers: shapes of the matrices of GPT-style models of roughly these sizes (embeddings,
+# norms and the head are not matrices an orthonormal rule sees, so they are left out).
+PRESETS: dict[str, tuple[int, int]] = {
+    "d512": (512, 4),
+    "d1024": (1024, 4),
+    "124m": (768, 12),
+    "350m": (1024, 24),
+    "1b": (2048, 16),
+    "7b": (4096, 32),
+}
+
+
+def gpt_matrix_shapes(d_model: int, n_layers: int, mlp_ratio: int = 4) -> list[tuple[int, int]]:
+    """Per layer: q, k, v, o ([d, d]), MLP up ([r·d, d]) and down ([d, r·d]), in torch Linear layout."""
+    hidden = mlp_ratio * d_model
+    layer = [(d_model, d_model)] * 4 + [(hidden, d_model), (d_model, hidden)]
+    return layer * n_layers
+
+
+def make_params(
+    shapes: Sequence[tuple[int, ...]], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> list[Tensor]:
+    """Parameters with fixed random gradients attached (timing does not need fresh gradients)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = (torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype).requires_grad_(True)
+        p.grad = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+        params.append(p)
+    return params
+
+
+def _orthoptim(cls: type, **kwargs: Any) -> Callable[[list[Tensor]], torch.optim.Optimizer]:
+    return lambda params: cls(params, **kwargs)
+
+
+def optimizer_factories() -> dict[str, Callable[[list[Tensor]], torch.optim.Optimizer]]:
+    """Name → constructor over a list of matrix parameters, for every optimizer worth comparing."""
+    factories: dict[str, Callable[[list[Tensor]], torch.optim.Optimizer]] = {
+        "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
+        "muon": _orthoptim(orthoptim.Muon, lr=0.01),
+        "muon_gram": _orthoptim(orthoptim.Muon, lr=0.01, orthogonalizer="gram"),
+        "normuon": _orthoptim(orthoptim.NorMuon, lr=0.01),
+        "dion3": _orthoptim(orthoptim.Dion3, lr=0.01, fraction=0.25),
+        "dion3_f0.5": _orthoptim(orthoptim.Dion3, lr=0.01, fraction=0.5),
+        "dion3_f0.125": _orthoptim(orthoptim.Dion3, lr=0.01, fraction=0.125),
+        "dion2": _orthoptim(orthoptim.Dion2, lr=0.01, fraction=0.25),
+        "dion_r0.25": _orthoptim(orthoptim.Dion, lr=0.01, rank_fraction=0.25),
+    }
+    if hasattr(torch.optim, "Muon"):
+        factories["torch_muon"] = lambda params: torch.optim.Muon(params, lr=0.01)
+    return factories
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], Any], warmup: int = 2, repeats: int = 5,
+               device: str | torch.device = "cpu") -> list[float]:
+    """Milliseconds of each of ``repeats`` calls of ``step`` after ``warmup`` untimed calls."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def orthogonalization_error(orthogonalize: Callable[[Tensor], Tensor], shape: tuple[int, int],
+                            batch: int = 2, device: str = "cpu", seed: int = 0) -> float:
+    """Relative Frobenius distance of ``orthogonalize`` to the exact polar factor on random matrices
+    shaped like a momentum (Gaussian, so singular values spread down towards 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch, *shape), generator=gen).to(device)
+    exact = svd_polar(x.double())
+    approx = orthogonalize(x).double()
+    return float(torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact))
+
+
+def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:
+    """The library's named orthogonalizers, for accuracy tables."""
+    return {
+        "polar_express": partial(orthoptim.newton_schulz, coefficients="polar_express"),
+        "gram": partial(orthoptim.gram_newton_schulz, coefficients="polar_express"),
+        "newton_schulz": partial(orthoptim.newton_schulz, coefficients="keller_jordan"),
+    }
