@@ -212,10 +212,10 @@ class OrthonormalOptimizer(Optimizer):
             return work
         # One reduction pass over all gradients and one host sync for the whole step.
         maxima = torch._foreach_norm([p.grad for p in params], ord=math.inf)
-        finite = torch.stack([m.float().cpu() if m.device != maxima[0].device else m.float() for m in maxima])
-        if bool(torch.isfinite(finite).all()):
+        finite = torch.isfinite(torch.stack([m.float().to(maxima[0].device) for m in maxima]))
+        if bool(finite.all()):
             return work
-        bad = {p for p, ok in zip(params, torch.isfinite(finite).cpu().tolist()) if not ok}
+        bad = {p for p, ok in zip(params, finite.tolist()) if not ok}
         for group, ps in work:
             for p in ps:
                 if p in bad and group["nonfinite"] == "raise":
