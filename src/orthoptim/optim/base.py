@@ -10,6 +10,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,10 +18,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from orthoptim import rules
-from orthoptim.distributed import megabatches
+from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
 from orthoptim.orthogonalize import Orthogonalizer, get_orthogonalizer, normalize_columns
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch built without distributed support: no parameter can be a DTensor
+    DTensor = ()  # type: ignore[assignment,misc]
 
 # Every key any algorithm reads, with its library-wide default; subclasses override some.
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -70,11 +76,8 @@ class OrthonormalOptimizer(Optimizer):
     """Base class: validates groups up front, creates state eagerly, megabatches same-shape matrices."""
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], distributed_mesh: Any = None) -> None:
-        if distributed_mesh is not None:
-            raise NotImplementedError(
-                "distributed_mesh: this version of orthoptim runs on a single process only; "
-                "pass distributed_mesh=None"
-            )
+        self._process_group = resolve_process_group(distributed_mesh)
+        self.comm_stats: CommStats | None = None  # opt-in: set to a CommStats() to count collectives
         full = {**COMMON_DEFAULTS, **defaults}
         validate_group(full, "the optimizer's defaults")
         self._names: dict[Tensor, str] = {}
@@ -117,9 +120,11 @@ class OrthonormalOptimizer(Optimizer):
             self._view(p, group, label)
             if not p.is_contiguous():
                 raise ValueError(f"parameter {label} is not contiguous; call .contiguous() on it first")
-        if type(p).__name__ == "DTensor":
+        if isinstance(p, DTensor):
             raise NotImplementedError(
-                f"parameter {label} is a DTensor; this version of orthoptim runs on a single process only"
+                f"parameter {label} is a DTensor with placements {tuple(p.placements)}: sharded parameters "
+                "(FSDP2, tensor parallel) are not supported in this version; use replicated parameters (DDP) "
+                "with distributed_mesh=<ProcessGroup>"
             )
 
     def param_name(self, p: Tensor) -> str:
@@ -233,7 +238,13 @@ class OrthonormalOptimizer(Optimizer):
 
     def _orthogonalizer(self, group: dict[str, Any]) -> Orthogonalizer:
         spec = group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[group["algorithm"]]
-        return get_orthogonalizer(spec)
+        return self._share(get_orthogonalizer(spec))
+
+    def _share(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        """Distributed: each rank computes its share of a batch function and all-gathers the rest."""
+        if self._process_group is None:
+            return fn
+        return split_batch(fn, self._process_group, self.comm_stats)
 
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         algorithm = group["algorithm"]
@@ -279,8 +290,8 @@ class OrthonormalOptimizer(Optimizer):
                                    beta2=group["muon_beta2"], eps=group["epsilon"],
                                    orthogonalize=self._orthogonalizer(group), **common)
             else:
-                rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"],
-                                  qr_method=group["qr_method"], **common)
+                factors = self._share(partial(rules.low_rank_factors, qr_method=group["qr_method"]))
+                rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors, **common)
 
     def _scalar_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         beta1, beta2 = group["betas"]

@@ -5,7 +5,7 @@ gradients and state views of one megabatch plus plain hyperparameters, and updat
 """
 
 from orthoptim.rules.adamw import adamw_update
-from orthoptim.rules.dion import dion_update
+from orthoptim.rules.dion import dion_update, low_rank_factors
 from orthoptim.rules.dion2 import dion2_update
 from orthoptim.rules.dion3 import dion3_update
 from orthoptim.rules.lion import lion_update
@@ -20,6 +20,7 @@ __all__ = [
     "dion3_update",
     "dion_update",
     "lion_update",
+    "low_rank_factors",
     "lr_scale",
     "muon_update",
     "normuon_update",

@@ -7,11 +7,25 @@ iteration per step tracks the top-r singular subspace of the slowly changing mom
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import Tensor
 
 from orthoptim.orthogonalize import normalize_columns, orthonormalize_columns
 from orthoptim.rules import momentum, weight_decay
+
+
+def low_rank_factors(momenta: list[Tensor], right_factors: list[Tensor], qr_method: str = "cholesky_qr") -> Tensor:
+    """One power-iteration step per matrix: [P; R] stacked along rows, [B, m + n, r].
+
+    P = orth_cols(B Q) (m×r) and R = Bᵀ P (n×r). Returned as one tensor so a distributed plan can
+    compute a share of the batch and gather the rest in one collective.
+    """
+    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method)
+    r = torch.stack([b.mT @ pi for b, pi in zip(momenta, p)])
+    return torch.cat([p, r], dim=-2)
 
 
 def dion_update(
@@ -26,11 +40,18 @@ def dion_update(
     weight_decay_rate: float,
     scale: float,
     qr_method: str = "cholesky_qr",
+    factors: Callable[[list[Tensor], list[Tensor]], Tensor] | None = None,
 ) -> None:
-    """One Dion step for a megabatch of same-shape matrices with right factors Q ([n, r] views)."""
+    """One Dion step for a megabatch of same-shape matrices with right factors Q ([n, r] views).
+
+    ``factors`` computes [P; R] (default: ``low_rank_factors`` here; a distributed plan passes its own).
+    """
     momentum.accumulate_(momenta, grads, 1.0)  # B = M + G, held in M
-    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method)
-    r = torch.stack([b.mT @ pi for b, pi in zip(momenta, p)])
+    if factors is None:
+        factors = partial(low_rank_factors, qr_method=qr_method)
+    rows = momenta[0].shape[0]
+    pr = factors(momenta, right_factors)
+    p, r = pr[:, :rows], pr[:, rows:]
     for b, pi, ri in zip(momenta, p, r):
         b.addmm_(pi, ri.mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
     q_new = normalize_columns(r, eps)
