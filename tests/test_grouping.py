@@ -1,0 +1,368 @@
+"""``param_groups(model)``, ``describe_assignment(model)``, ``explain(optimizer)``, and a small model
+trained with every optimizer.
+
+The assignment rules under test (DESIGN.md §2, §4): matrices → the orthonormal rule; embeddings, the
+output head (tied or not), biases and norms → AdamW (or Lion); conv weights → flatten=True; 3-D
+tensors → batches of matrices; overrides by name pattern; each trainable parameter exactly once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import orthoptim
+
+VOCAB, D = 40, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: one thread is fastest and avoids contention on shared CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.fc = nn.Linear(D, 4 * D)
+        self.out = nn.Linear(4 * D, D)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.experts = nn.Parameter(torch.randn(3, 2 * D, D) / 8)
+        self.frozen = nn.Linear(D, D)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+
+def make(cls=TinyLM, **kwargs):
+    torch.manual_seed(0)
+    return cls(**kwargs)
+
+
+def group_of(groups, p):
+    hits = [g for g in groups for q in g["params"] if q is p]
+    assert len(hits) == 1, f"in {len(hits)} groups"
+    return hits[0]
+
+
+def names_in(group):
+    return list(group["param_names"])
+
+
+def assert_partition(model, groups):
+    """Every trainable parameter exactly once; frozen ones nowhere; names match tensors."""
+    trainable = {id(p): n for n, p in model.named_parameters() if p.requires_grad}  # tied: listed once
+    listed = [id(p) for g in groups for p in g["params"]]
+    assert len(listed) == len(set(listed)), "a parameter appears in two places"
+    assert set(listed) == set(trainable)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for g in groups:
+        assert len(g["param_names"]) == len(g["params"])
+        for n, p in zip(g["param_names"], g["params"], strict=True):
+            assert params[n] is p, f"param_names entry {n!r} does not name its tensor"
+
+
+# ----------------------------------------------------------------------------- param_groups
+def test_untied_model_assignment():
+    model = make()
+    groups = orthoptim.param_groups(model)
+    assert_partition(model, groups)
+    scalar = {"emb.weight", "head.weight", "norm.weight", "norm.bias"}
+    for i in range(2):
+        scalar |= {f"blocks.{i}.norm.weight", f"blocks.{i}.norm.bias"}
+        scalar |= {f"blocks.{i}.{m}.bias" for m in ("qkv", "proj", "fc", "out")}
+    matrix = {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "out")} | {"experts"}
+    params = dict(model.named_parameters())
+    for n in scalar:
+        assert group_of(groups, params[n])["algorithm"] == "adamw", n
+    for n in matrix:
+        g = group_of(groups, params[n])
+        assert "algorithm" not in g, f"{n} should take the optimizer's own rule"
+        assert not g.get("flatten", False)
+    assert not any("frozen" in n for g in groups for n in g["param_names"])
+    assert {n for g in groups for n in g["param_names"]} == scalar | matrix
+
+
+def test_tied_head_appears_once_in_adamw():
+    model = make(tied=True)
+    assert model.head.weight is model.emb.weight
+    groups = orthoptim.param_groups(model)
+    assert_partition(model, groups)
+    hits = [(g, n) for g in groups for n, p in zip(g["param_names"], g["params"]) if p is model.emb.weight]
+    assert len(hits) == 1
+    assert hits[0][0]["algorithm"] == "adamw"
+    reasons = {n: reason for n, _, _, reason in orthoptim.describe_assignment(model)}
+    assert "tied" in reasons[hits[0][1]]
+    assert "head.weight" not in reasons or reasons["head.weight"] == reasons["emb.weight"]
+
+
+def test_head_is_found_by_module_type_not_by_name():
+    """An untied output head called ``decoder`` (a Linear producing one score per vocabulary entry)
+    still goes to AdamW; a Linear named ``head`` that is a hidden layer does not."""
+
+    class Renamed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(VOCAB, D)
+            self.head = nn.Linear(D, D)
+            self.decoder = nn.Linear(D, VOCAB)
+
+    model = make(Renamed)
+    groups = orthoptim.param_groups(model)
+    assert group_of(groups, model.decoder.weight)["algorithm"] == "adamw"
+    assert group_of(groups, model.tok.weight)["algorithm"] == "adamw"
+    assert "algorithm" not in group_of(groups, model.head.weight)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "grouping._classify takes as output head the last nn.Linear whose out_features equals any "
+    "embedding's num_embeddings, even when that Linear is a hidden layer followed by more Linears: in a "
+    "model with no LM head whose MLP width equals the vocabulary size, the MLP up-projection is sent to "
+    "AdamW as 'output head'"))
+def test_hidden_linear_as_wide_as_the_vocabulary_is_not_a_head():
+    class TokenClassifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, D)
+            self.up = nn.Linear(D, VOCAB)  # MLP width happens to equal the vocabulary size
+            self.down = nn.Linear(VOCAB, D)
+            self.classify = nn.Linear(D, 3)
+
+    model = make(TokenClassifier)
+    groups = orthoptim.param_groups(model)
+    assert "algorithm" not in group_of(groups, model.up.weight)
+
+
+def test_named_algorithm_and_scalar_options():
+    model = make()
+    groups = orthoptim.param_groups(model, algorithm="normuon", scalar_algorithm="lion", scalar_lr=3e-4)
+    assert_partition(model, groups)
+    for g in groups:
+        for n, p in zip(g["param_names"], g["params"]):
+            if p.ndim >= 2 and p is not model.emb.weight and p is not model.head.weight:
+                assert g["algorithm"] == "normuon" and "lr" not in g, n
+            else:
+                assert g["algorithm"] == "lion" and g["lr"] == 3e-4, n
+    opt = orthoptim.Dion3(groups, lr=0.02)
+    lrs = {n: g["lr"] for g in opt.param_groups for n in g["param_names"]}
+    assert lrs["emb.weight"] == 3e-4 and lrs["blocks.0.fc.weight"] == 0.02
+
+
+def test_conv_weights_are_flattened_and_trainable():
+    model = make(ConvNet)
+    groups = orthoptim.param_groups(model)
+    assert_partition(model, groups)
+    g = group_of(groups, model.conv.weight)
+    assert g["flatten"] is True and "algorithm" not in g
+    assert group_of(groups, model.fc.weight).get("flatten", False) is False
+    for p in (model.conv.bias, model.bn.weight, model.bn.bias):
+        assert group_of(groups, p)["algorithm"] == "adamw"
+    opt = orthoptim.Muon(groups, lr=0.02)
+    before = model.conv.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert not torch.equal(before, model.conv.weight)
+
+
+def test_three_d_parameter_is_a_batch_of_matrices():
+    model = make()
+    groups = orthoptim.param_groups(model)
+    g = group_of(groups, model.experts)
+    assert "algorithm" not in g and not g.get("flatten", False)
+    reasons = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(model)}
+    assert reasons["experts"] == ("matrix", "batch of matrices")
+
+
+def test_overrides_apply_options_by_pattern():
+    model = make()
+    groups = orthoptim.param_groups(model, overrides={
+        "blocks.*.qkv.weight": {"split_sizes": [D, D, D], "num_heads": 2},
+        "blocks.1.out.weight": {"algorithm": "adamw"},
+        "blocks.*.out.weight": {"weight_decay": 0.0},  # later pattern: blocks.1.out.weight took the first
+    })
+    assert_partition(model, groups)
+    for i in range(2):
+        g = group_of(groups, model.blocks[i].qkv.weight)
+        assert g["split_sizes"] == [D, D, D] and g["num_heads"] == 2
+        assert "algorithm" not in g
+        assert "split_sizes" not in group_of(groups, model.blocks[i].qkv.bias)
+    g1 = group_of(groups, model.blocks[1].out.weight)
+    assert g1["algorithm"] == "adamw" and "weight_decay" not in g1  # first matching pattern wins
+    g0 = group_of(groups, model.blocks[0].out.weight)
+    assert g0["weight_decay"] == 0.0 and "algorithm" not in g0
+    assert "split_sizes" not in group_of(groups, model.blocks[0].proj.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every key param_groups writes is a known group key
+        opt = orthoptim.Dion3(groups)
+    assert len(opt.state[model.blocks[1].out.weight]) == 3  # AdamW state: step, exp_avg, exp_avg_sq
+
+
+def test_override_pattern_matching_nothing_raises():
+    model = make()
+    with pytest.raises(ValueError, match=re.escape("'blocks.*.attn.weight'")):
+        orthoptim.param_groups(model, overrides={"blocks.*.qkv.weight": {"num_heads": 2},
+                                                 "blocks.*.attn.weight": {"num_heads": 2}})
+    with pytest.raises(ValueError, match="frozen"):  # frozen parameters cannot be matched either
+        orthoptim.param_groups(model, overrides={"frozen.weight": {"algorithm": "adamw"}})
+
+
+def test_bad_algorithm_arguments_raise():
+    model = make()
+    with pytest.raises(ValueError, match="scalar_algorithm='sgd'"):
+        orthoptim.param_groups(model, scalar_algorithm="sgd")
+    with pytest.raises(ValueError, match="algorithm='muon2'"):
+        orthoptim.param_groups(model, algorithm="muon2")
+
+
+def test_describe_assignment_reasons():
+    model = make()
+    rows = {n: (shape, kind, reason) for n, shape, kind, reason in orthoptim.describe_assignment(model)}
+    assert set(rows) == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert rows["emb.weight"][1:] == ("scalar", "embedding of emb")
+    assert rows["head.weight"][1] == "scalar" and "output head" in rows["head.weight"][2]
+    assert rows["blocks.0.norm.weight"][1:] == ("scalar", "vector (bias or norm)")
+    assert rows["blocks.0.qkv.weight"] == ((3 * D, D), "matrix", "matrix")
+    conv = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(make(ConvNet))}
+    assert conv["conv.weight"][0] == "conv" and "flatten" in conv["conv.weight"][1]
+
+
+# ----------------------------------------------------------------------------- explain
+def parse_explain(text: str) -> list[list[str]]:
+    lines = text.splitlines()
+    assert re.fullmatch(r"[- ]+", lines[1]), "second line is the rule under the header"
+    header = re.split(r"\s{2,}", lines[0].strip())
+    assert header == ["parameter", "shape", "rule", "matrix view", "lr x scale", "wd", "state bytes"]
+    return [re.split(r"\s{2,}", line.strip()) for line in lines[2:]]
+
+
+def state_bytes(state) -> int:
+    # The 0-d AdamW step counter is not counted by explain; every state tensor with a shape is.
+    return sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim > 0)
+
+
+def test_explain_one_row_per_parameter():
+    model = make()
+    groups = orthoptim.param_groups(model, overrides={
+        "blocks.*.qkv.weight": {"split_sizes": [D, D, D], "num_heads": 2},
+        "blocks.0.fc.weight": {"algorithm": "dion", "rank_fraction": 0.5},
+    })
+    opt = orthoptim.Dion3(groups, lr=0.02, weight_decay=0.05)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    rows = parse_explain(orthoptim.explain(opt))
+    assert rows[-1][0] == "total"
+    body = {r[0]: r for r in rows[:-1]}
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert len(rows) - 1 == len(params) and set(body) == set(params)
+    for name, p in params.items():
+        cells = body[name]
+        assert len(cells) == 7, cells
+        assert cells[1] == str(list(p.shape))
+        assert cells[5] == "0.05"
+        assert int(cells[6].replace(",", "")) == state_bytes(opt.state[p]), name
+        assert state_bytes(opt.state[p]) > 0
+    total = sum(state_bytes(s) for s in opt.state.values())
+    assert int(rows[-1][-1].replace(",", "")) == total
+
+    qkv = body["blocks.0.qkv.weight"]
+    assert qkv[2] == "dion3 f=0.25"
+    assert qkv[3] == f"6 × [8, {D}]"  # 3 splits × 2 heads, each [8, 16]
+    assert float(qkv[4]) == pytest.approx(0.02 * math.sqrt(8 / D), rel=1e-2)
+    assert body["blocks.0.proj.weight"][3] == f"[{D}, {D}]"
+    assert float(body["blocks.0.proj.weight"][4]) == pytest.approx(0.02, rel=1e-2)
+    assert body["experts"][3] == f"3 × [{2 * D}, {D}]"
+    assert float(body["experts"][4]) == pytest.approx(0.02 * math.sqrt(2), rel=1e-2)
+    assert body["blocks.0.fc.weight"][2] == f"dion r={D // 2}"
+    assert body["blocks.1.fc.weight"][2] == "dion3 f=0.25"
+    for n in ("emb.weight", "head.weight", "norm.bias"):
+        assert body[n][2:5] == ["adamw", "-", "0.02"], n
+    # State sizes by hand for two rows: Dion3 keeps momentum (fp32) and one fp32 variance per row.
+    assert state_bytes(opt.state[model.blocks[1].proj.weight]) == 4 * (D * D + D)
+    assert state_bytes(opt.state[model.emb.weight]) == 4 * 2 * VOCAB * D
+
+
+def test_explain_plain_torch_optimizer():
+    model = make(ConvNet)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    rows = parse_explain(orthoptim.explain(opt))
+    assert len(rows) - 1 == len(list(model.parameters()))
+
+
+# ----------------------------------------------------------------------------- training
+# Measured (60 full-batch steps, the seeds below, initial loss 2.2987), final / initial loss:
+# Dion3 0.069, Dion2 0.113, Dion (rank 1/2) 3.1e-4, Muon 1.0e-5, NorMuon 1.1e-5, AdamW 0.013.
+# Each margin leaves ≥ 3× room for round-off and small rule changes, but not for an optimizer that
+# learns slowly or not at all.
+TRAIN_STEPS = 60
+MARGINS = {"dion3": 0.25, "dion2": 0.35, "dion": 0.01, "muon": 1e-3, "normuon": 1e-3, "adamw": 0.05}
+TRAIN_CASES = {
+    "dion3": lambda m: orthoptim.Dion3(orthoptim.param_groups(m), lr=0.05),
+    "dion2": lambda m: orthoptim.Dion2(orthoptim.param_groups(m), lr=0.05),
+    "dion": lambda m: orthoptim.Dion(orthoptim.param_groups(m), lr=0.05, rank_fraction=0.5),
+    "muon": lambda m: orthoptim.Muon(orthoptim.param_groups(m), lr=0.05),
+    "normuon": lambda m: orthoptim.NorMuon(orthoptim.param_groups(m), lr=0.05),
+    "adamw": lambda m: orthoptim.Muon(orthoptim.param_groups(m, algorithm="adamw"), lr=3e-3),
+}
+
+
+def teacher_data():
+    """256 points in 32-D, labelled by a random linear teacher over 10 classes."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 32, generator=gen)
+    y = (x @ torch.randn(32, 10, generator=gen)).argmax(1)
+    return x, y
+
+
+def mlp():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("name", list(TRAIN_CASES))
+def test_small_model_learns(name):
+    x, y = teacher_data()
+    model = mlp()
+    opt = TRAIN_CASES[name](model)
+    algorithms = {g["algorithm"] for g in opt.param_groups}
+    assert algorithms == ({"adamw"} if name == "adamw" else {name, "adamw"})
+    with torch.no_grad():
+        initial = F.cross_entropy(model(x), y).item()
+    for _ in range(TRAIN_STEPS):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    with torch.no_grad():
+        final = F.cross_entropy(model(x), y).item()
+    assert math.isfinite(final)
+    assert final < MARGINS[name] * initial, f"{name}: loss {initial:.4f} → {final:.4f}"

@@ -1,0 +1,345 @@
+"""Checkpointing and learning-rate schedules.
+
+- ``state_dict`` → ``torch.save`` → ``torch.load`` → ``load_state_dict`` into a fresh optimizer over a
+  fresh copy of the model: the following steps are bit-identical (``torch.equal``) to a run that was
+  never interrupted, for every optimizer, with matrix groups next to AdamW / Lion groups.
+- State exists for every parameter right after construction, with the keys its algorithm reads.
+- Standard LR schedulers drive ``lr`` of every group, and the size of each update follows that ``lr``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import orthoptim
+
+CLASSES = {
+    "dion3": orthoptim.Dion3,
+    "dion2": orthoptim.Dion2,
+    "dion": orthoptim.Dion,
+    "muon": orthoptim.Muon,
+    "normuon": orthoptim.NorMuon,
+}
+# Options that make each optimizer exercise its less common paths: Dion at a rank below full
+# (Q sliced per block), Muon with Nesterov.
+EXTRA = {"dion": {"rank_fraction": 0.5}, "muon": {"nesterov": True}}
+STEPS_BEFORE, STEPS_AFTER = 3, 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: one thread is fastest and avoids contention on shared CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TinyLM(nn.Module):
+    """Embedding, fused QKV (per-head view), two same-shape matrices (one megabatch), a 3-D batch
+    of matrices, a norm and an untied output head: every kind of group param_groups makes."""
+
+    def __init__(self, vocab: int = 40, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.gate = nn.Linear(d, d, bias=False)
+        self.experts = nn.Parameter(torch.randn(3, 8, d) / 4)
+        self.fc = nn.Linear(d, 2 * d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+
+OVERRIDES = {"qkv.weight": {"split_sizes": [16, 16, 16], "num_heads": 2}}
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM().to(dtype)
+
+
+def fresh_copy(model: nn.Module) -> nn.Module:
+    """A new instance of the model class holding the same parameter values (not a deepcopy)."""
+    other = TinyLM().to(next(model.parameters()).dtype)
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def set_grads(model: nn.Module, step: int) -> None:
+    """Deterministic gradients: a function of the step number and the parameter's position only."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+
+
+def make_opt(name: str, model: nn.Module, scalar_algorithm: str = "adamw") -> orthoptim.OrthonormalOptimizer:
+    groups = orthoptim.param_groups(model, scalar_algorithm=scalar_algorithm, overrides=OVERRIDES)
+    return CLASSES[name](groups, lr=0.02, weight_decay=0.1, **EXTRA.get(name, {}))
+
+
+def run(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for t in steps:
+        set_grads(model, t)
+        opt.step()
+
+
+def roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def same_params(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def assert_same_state(opt_a: torch.optim.Optimizer, model_a: nn.Module,
+                      opt_b: torch.optim.Optimizer, model_b: nn.Module) -> None:
+    for (name, pa), pb in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sorted(sa) == sorted(sb), name
+        for key in sa:
+            assert sa[key].dtype == sb[key].dtype, (name, key)
+            assert torch.equal(sa[key], sb[key]), f"state {key!r} of {name} differs"
+
+
+CASES = [(name, "adamw") for name in CLASSES] + [("dion3", "lion"), ("muon", "lion")]
+
+
+@pytest.mark.parametrize(("name", "scalar_algorithm"), CASES)
+def test_save_load_continues_bit_identically(name, scalar_algorithm):
+    model_a = make_model()
+    opt_a = make_opt(name, model_a, scalar_algorithm)
+    run(model_a, opt_a, range(STEPS_BEFORE))
+
+    saved = roundtrip(opt_a.state_dict())
+    model_b = fresh_copy(model_a)
+    opt_b = make_opt(name, model_b, scalar_algorithm)
+    opt_b.load_state_dict(saved)
+    assert_same_state(opt_a, model_a, opt_b, model_b)
+
+    # Control: the same fresh optimizer without the checkpoint must diverge, or this test could not fail.
+    model_c = fresh_copy(model_a)
+    opt_c = make_opt(name, model_c, scalar_algorithm)
+
+    run(model_a, opt_a, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    run(model_b, opt_b, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    run(model_c, opt_c, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    for (pname, pa), pb in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(pa, pb), f"{pname} differs after resuming from the checkpoint"
+    assert_same_state(opt_a, model_a, opt_b, model_b)
+    assert not same_params(model_a, model_c)
+
+
+def test_save_load_with_scheduler_continues_bit_identically():
+    """The scheduled lr lives in the param groups: it must come back with the checkpoint."""
+    model_a = make_model()
+    opt_a = make_opt("dion3", model_a)
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=2, gamma=0.5)
+    for t in range(STEPS_BEFORE):
+        set_grads(model_a, t)
+        opt_a.step()
+        sched_a.step()
+    saved = roundtrip({"opt": opt_a.state_dict(), "sched": sched_a.state_dict()})
+
+    model_b = fresh_copy(model_a)
+    opt_b = make_opt("dion3", model_b)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=2, gamma=0.5)
+    opt_b.load_state_dict(saved["opt"])
+    sched_b.load_state_dict(saved["sched"])
+    assert [g["lr"] for g in opt_b.param_groups] == [g["lr"] for g in opt_a.param_groups]
+    assert opt_a.param_groups[0]["lr"] == 0.02 * 0.5
+
+    for model, opt, sched in ((model_a, opt_a, sched_a), (model_b, opt_b, sched_b)):
+        for t in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+            set_grads(model, t)
+            opt.step()
+            sched.step()
+    assert same_params(model_a, model_b)
+    assert_same_state(opt_a, model_a, opt_b, model_b)
+    assert [g["lr"] for g in opt_b.param_groups] == [g["lr"] for g in opt_a.param_groups]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "load_state_dict loses bits of the fp32 per-row 'variance' of NorMuon/Dion3 for bf16 parameters: "
+    "torch.optim.Optimizer.load_state_dict casts every floating state tensor except 'step' to the "
+    "parameter's dtype (bf16), and OrthonormalOptimizer.load_state_dict only casts it back with .float()"))
+@pytest.mark.parametrize("name", ["normuon", "dion3"])
+def test_save_load_bf16_parameters_keeps_fp32_variance(name):
+    model_a = make_model(torch.bfloat16)
+    opt_a = make_opt(name, model_a)
+    run(model_a, opt_a, range(STEPS_BEFORE))
+    model_b = fresh_copy(model_a)
+    opt_b = make_opt(name, model_b)
+    opt_b.load_state_dict(roundtrip(opt_a.state_dict()))
+    assert_same_state(opt_a, model_a, opt_b, model_b)
+
+
+def test_save_load_bf16_parameters_without_variance_state():
+    """The same bf16 round trip for rules whose state is all in the parameter dtype (passes today)."""
+    for name in ("muon", "dion2", "dion"):
+        model_a = make_model(torch.bfloat16)
+        opt_a = make_opt(name, model_a)
+        run(model_a, opt_a, range(STEPS_BEFORE))
+        model_b = fresh_copy(model_a)
+        opt_b = make_opt(name, model_b)
+        opt_b.load_state_dict(roundtrip(opt_a.state_dict()))
+        run(model_a, opt_a, range(STEPS_BEFORE, STEPS_BEFORE + 2))
+        run(model_b, opt_b, range(STEPS_BEFORE, STEPS_BEFORE + 2))
+        assert same_params(model_a, model_b), name
+
+
+# ----------------------------------------------------------------------------- eager state
+def expected_state(algorithm: str, p: torch.Tensor, opts: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key → (shape, dtype) of the state each algorithm reads, written from DESIGN.md §1."""
+    like = (tuple(p.shape), p.dtype)
+    if algorithm == "adamw":
+        return {"step": ((), torch.float32), "exp_avg": like, "exp_avg_sq": like}
+    if algorithm == "lion":
+        return {"exp_avg": like}
+    rows, cols = (p.shape[0], math.prod(p.shape[1:])) if p.ndim == 2 else tuple(p.shape[1:])
+    batch = p.shape[0] if p.ndim == 3 else 1
+    out = {"momentum": like}
+    if algorithm in ("normuon", "dion3"):
+        out["variance"] = ((batch, rows), torch.float32)  # one second moment per row (neuron)
+    if algorithm == "dion":
+        blocks = opts.get("num_heads") or 1
+        blocks *= len(opts.get("split_sizes") or [rows])
+        block_rows = rows // blocks
+        rank = math.ceil(opts["rank_fraction"] * min(block_rows, cols))
+        out["Q"] = ((batch * blocks, cols, rank), p.dtype)  # right factor per matrix
+    return out
+
+
+@pytest.mark.parametrize(("name", "scalar_algorithm"), CASES)
+def test_state_exists_for_every_parameter_before_any_step(name, scalar_algorithm):
+    model = make_model()
+    opt = make_opt(name, model, scalar_algorithm)
+    names = dict((id(p), n) for n, p in model.named_parameters())
+    assert len(opt.state) == len(list(model.parameters()))
+    seen_algorithms = set()
+    for group in opt.param_groups:
+        algorithm = group["algorithm"]
+        seen_algorithms.add(algorithm)
+        for p in group["params"]:
+            expected = expected_state(algorithm, p, group)
+            state = opt.state[p]
+            got = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+            assert got == expected, names[id(p)]
+            for key, value in state.items():
+                if key == "Q":
+                    assert torch.isfinite(value).all() and value.abs().sum() > 0  # a random start, not zeros
+                else:
+                    assert not value.any(), f"{key} of {names[id(p)]} should start at zero"
+    assert seen_algorithms == {name, scalar_algorithm}
+    # The saved checkpoint already holds every parameter's state (distributed checkpoints need this).
+    assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+
+
+def test_dion_initial_right_factor_is_deterministic():
+    """Two optimizers built alike start from the same random Q (every rank and run starts alike)."""
+    a = make_opt("dion", make_model())
+    b = make_opt("dion", make_model())
+    qa = [s["Q"] for s in a.state.values() if "Q" in s]
+    qb = [s["Q"] for s in b.state.values() if "Q" in s]
+    assert qa and all(torch.equal(x, y) for x, y in zip(qa, qb, strict=True))
+
+
+# ----------------------------------------------------------------------------- LR schedulers
+SCHEDULERS = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4),
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[0.04, 0.02], total_steps=8, cycle_momentum=False),
+}
+LRS = (0.03, 0.01)  # matrix group, Lion group
+
+
+def scheduled_model():
+    torch.manual_seed(3)
+    return nn.Linear(12, 8)
+
+
+@pytest.mark.parametrize("kind", list(SCHEDULERS))
+def test_scheduler_drives_every_group_and_update_size_follows(kind):
+    """Muon with mu=0, no weight decay, no lr scaling and an exact polar factor, fed the same gradient
+    every step, moves the weight by exactly lr_t·orth(G) (Frobenius norm lr_t·√min(m, n)); Lion with a
+    constant gradient moves every bias entry by exactly lr_t. The expected lr_t comes from the same
+    scheduler driving a plain torch SGD with the same groups."""
+    model = scheduled_model()
+    groups = [
+        {"params": [model.weight], "param_names": ["weight"], "lr": LRS[0]},
+        {"params": [model.bias], "param_names": ["bias"], "algorithm": "lion", "lr": LRS[1]},
+    ]
+    opt = orthoptim.Muon(groups, mu=0.0, weight_decay=0.0, adjust_lr=None, orthogonalizer="svd")
+    sched = SCHEDULERS[kind](opt)
+    dummy = [nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))]
+    ref_opt = torch.optim.SGD([{"params": [dummy[0]], "lr": LRS[0]}, {"params": [dummy[1]], "lr": LRS[1]}])
+    ref_sched = SCHEDULERS[kind](ref_opt)
+
+    gen = torch.Generator().manual_seed(4)
+    gw, gb = torch.randn(8, 12, generator=gen), torch.randn(8, generator=gen)
+    polar_norm = math.sqrt(8)
+    seen = []
+    for _ in range(7):
+        expected = [g["lr"] for g in ref_opt.param_groups]
+        assert [g["lr"] for g in opt.param_groups] == expected
+        w0, b0 = model.weight.detach().clone(), model.bias.detach().clone()
+        model.weight.grad, model.bias.grad = gw.clone(), gb.clone()
+        opt.step()
+        dw, db = model.weight.detach() - w0, model.bias.detach() - b0
+        if expected[0] == 0.0:
+            assert torch.equal(model.weight, w0)
+        else:
+            assert math.isclose(float(dw.norm()), expected[0] * polar_norm, rel_tol=1e-4)
+        if expected[1] == 0.0:
+            assert torch.equal(model.bias, b0)
+        else:
+            torch.testing.assert_close(db, -expected[1] * torch.sign(gb), rtol=0, atol=2e-7 + 1e-4 * expected[1])
+        seen.append(expected)
+        sched.step()
+        ref_opt.step()  # no gradients: changes nothing, keeps the scheduler's call-order check quiet
+        ref_sched.step()
+    # The schedule really changed lr in both groups (a frozen lr would pass the checks above).
+    assert len({lr[0] for lr in seen}) >= 3 and len({lr[1] for lr in seen}) >= 3
+    if kind == "cosine":
+        assert [0.0, 0.0] in seen  # T_max=4: lr reaches exactly 0, and the weights did not move
+
+
+def test_halving_lr_halves_the_muon_step():
+    """Same gradients, same state: an lr half as large gives a step half as large (weight_decay=0)."""
+    deltas = []
+    for lr in (0.02, 0.01):
+        model = scheduled_model()
+        opt = orthoptim.Muon([model.weight], lr=lr, weight_decay=0.0)
+        for t in range(3):
+            before = model.weight.detach().clone()
+            gen = torch.Generator().manual_seed(10 + t)
+            model.weight.grad = torch.randn(8, 12, generator=gen)
+            opt.step()
+        deltas.append(model.weight.detach() - before)
+    torch.testing.assert_close(deltas[1], deltas[0] / 2, rtol=1e-3, atol=1e-6)
+    assert deltas[0].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_zero_lr_leaves_every_parameter_unchanged(name):
+    """lr scheduled to 0: no parameter moves, including through weight decay (X·(1 − 0·wd) = X),
+    in the matrix groups and the AdamW group alike; the state still advances."""
+    model = make_model()
+    opt = make_opt(name, model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)
+    assert all(g["lr"] == 0.0 for g in opt.param_groups)
+    before = [p.detach().clone() for p in model.parameters()]
+    run(model, opt, range(2))
+    sched.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert any(s["momentum"].any() for s in opt.state.values() if "momentum" in s)

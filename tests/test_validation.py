@@ -1,0 +1,373 @@
+"""Bad input gets a clear error that names the parameter or option and the fix, and changes nothing.
+
+Construction errors: there is no optimizer yet, so the model's parameters must be untouched.
+Errors on a live optimizer (``add_param_group``, ``step`` with a non-finite gradient): every parameter
+and the whole ``state_dict()`` must be exactly as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import orthoptim
+
+CLASSES = {
+    "dion3": orthoptim.Dion3,
+    "dion2": orthoptim.Dion2,
+    "dion": orthoptim.Dion,
+    "muon": orthoptim.Muon,
+    "normuon": orthoptim.NorMuon,
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices: one thread is fastest and avoids contention on shared CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 8)
+        self.lin = nn.Linear(8, 6)
+        self.out = nn.Linear(6, 8)
+        self.conv = nn.Conv2d(2, 4, 3)
+        self.norm = nn.LayerNorm(8)
+
+
+def make_model() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+# ----------------------------------------------------------------------------- snapshots
+def _clone(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _assert_equal(a, b, where="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} changed"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), f"keys of {where} changed"
+        for k in a:
+            _assert_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{where} changed"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where} changed: {a!r} → {b!r}"
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+    return params, grads, None if opt is None else _clone(opt.state_dict())
+
+
+def assert_unchanged(before, model: nn.Module, opt: torch.optim.Optimizer | None = None) -> None:
+    _assert_equal(before[0], {n: p.detach() for n, p in model.named_parameters()}, "parameters")
+    if opt is not None:
+        _assert_equal(before[2], opt.state_dict(), "optimizer.state_dict()")
+
+
+def named_group(model: nn.Module, *names: str, **options) -> dict:
+    params = dict(model.named_parameters())
+    return {"params": [params[n] for n in names], "param_names": list(names), **options}
+
+
+@contextlib.contextmanager
+def raises_naming(exc, *fragments):
+    """pytest.raises whose message must also contain every fragment."""
+    with pytest.raises(exc) as info:
+        yield info
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from the error: {message}"
+
+
+# ----------------------------------------------------------------------------- construction errors
+# (id, build(model) that must raise, exception, fragments the message must contain: the parameter or
+# option, and the fix)
+CONSTRUCTION_CASES = [
+    ("1d_matrix_rule", lambda m: orthoptim.Muon([named_group(m, "lin.bias")]),
+     ValueError, ["lin.bias", "at least 2 dims", "algorithm='adamw'"]),
+    ("1d_norm_dion3", lambda m: orthoptim.Dion3([named_group(m, "lin.weight"), named_group(m, "norm.weight")]),
+     ValueError, ["norm.weight", "algorithm='adamw'"]),
+    ("4d_without_flatten", lambda m: orthoptim.Dion3([named_group(m, "conv.weight")]),
+     ValueError, ["conv.weight", "flatten=True"]),
+    ("fraction_zero", lambda m: orthoptim.Dion3([named_group(m, "lin.weight")], fraction=0.0),
+     ValueError, ["fraction=0.0", "(0.0, 1.0]"]),
+    ("fraction_negative", lambda m: orthoptim.Dion2([named_group(m, "lin.weight")], fraction=-0.25),
+     ValueError, ["fraction=-0.25", "(0.0, 1.0]"]),
+    ("fraction_above_one", lambda m: orthoptim.Dion2([named_group(m, "lin.weight")], fraction=1.5),
+     ValueError, ["fraction=1.5", "(0.0, 1.0]"]),
+    ("fraction_in_group", lambda m: orthoptim.Dion3([named_group(m, "lin.weight", fraction=2)]),
+     ValueError, ["fraction=2", "param group 0", "(0.0, 1.0]"]),
+    ("rank_fraction_zero", lambda m: orthoptim.Dion([named_group(m, "lin.weight")], rank_fraction=0.0),
+     ValueError, ["rank_fraction=0.0", "(0.0, 1.0]"]),
+    ("rank_fraction_above_one", lambda m: orthoptim.Dion([named_group(m, "lin.weight")], rank_fraction=1.01),
+     ValueError, ["rank_fraction=1.01", "(0.0, 1.0]"]),
+    ("negative_lr", lambda m: orthoptim.Muon([named_group(m, "lin.weight")], lr=-0.01),
+     ValueError, ["lr=-0.01", "non-negative"]),
+    ("negative_lr_in_group", lambda m: orthoptim.Dion3([named_group(m, "lin.weight"),
+                                                        named_group(m, "lin.bias", algorithm="adamw", lr=-1.0)]),
+     ValueError, ["lr=-1.0", "param group 1", "non-negative"]),
+    ("negative_weight_decay", lambda m: orthoptim.NorMuon([named_group(m, "lin.weight")], weight_decay=-0.1),
+     ValueError, ["weight_decay=-0.1", "use 0 to disable"]),
+    ("negative_mu", lambda m: orthoptim.Muon([named_group(m, "lin.weight")], mu=-0.5),
+     ValueError, ["mu=-0.5", "[0.0, 1.0)"]),
+    ("mu_one", lambda m: orthoptim.Dion([named_group(m, "lin.weight")], mu=1.0),
+     ValueError, ["mu=1.0", "[0.0, 1.0)"]),
+    ("mu_above_one", lambda m: orthoptim.Dion2([named_group(m, "lin.weight", mu=1.5)]),
+     ValueError, ["mu=1.5", "[0.0, 1.0)"]),
+    ("unknown_algorithm", lambda m: orthoptim.Dion3([named_group(m, "lin.weight", algorithm="sgd")]),
+     ValueError, ["algorithm='sgd'", "'dion3'", "'adamw'"]),
+    ("unknown_adjust_lr", lambda m: orthoptim.Muon([named_group(m, "lin.weight")], adjust_lr="spectral"),
+     ValueError, ["adjust_lr='spectral'", "'spectral_norm'", "'rms_norm'"]),
+    ("num_heads_not_dividing", lambda m: orthoptim.Dion3([named_group(m, "lin.weight", num_heads=4)]),
+     ValueError, ["lin.weight", "num_heads=4", "divide", "6 rows"]),
+    ("num_heads_not_dividing_split", lambda m: orthoptim.Muon(
+        [named_group(m, "lin.weight", split_sizes=[4, 2], num_heads=4)]),
+     ValueError, ["lin.weight", "num_heads=4", "divide"]),
+    ("split_sizes_short", lambda m: orthoptim.Muon([named_group(m, "lin.weight", split_sizes=[2, 2])]),
+     ValueError, ["lin.weight", "split_sizes=[2, 2]", "sum to", "6 rows"]),
+    ("split_sizes_long", lambda m: orthoptim.Dion([named_group(m, "lin.weight", split_sizes=[4, 4])]),
+     ValueError, ["lin.weight", "split_sizes=[4, 4]", "sum to"]),
+    ("bad_orthogonalizer", lambda m: orthoptim.Muon([named_group(m, "lin.weight")], orthogonalizer="jacobi"),
+     ValueError, ["orthogonalizer", "'jacobi'", "'polar_express'", "callable"]),
+    ("bad_nonfinite", lambda m: orthoptim.Dion3([named_group(m, "lin.weight")], nonfinite="ignore"),
+     ValueError, ["nonfinite='ignore'", "'raise'", "'skip'"]),
+    ("bad_selection_scope", lambda m: orthoptim.Dion2([named_group(m, "lin.weight")], selection_scope="world"),
+     ValueError, ["selection_scope='world'", "'local'", "'global'"]),
+]
+
+
+@pytest.mark.parametrize(("build", "exc", "fragments"), [c[1:] for c in CONSTRUCTION_CASES],
+                         ids=[c[0] for c in CONSTRUCTION_CASES])
+def test_construction_error_names_option_and_fix(build, exc, fragments):
+    model = make_model()
+    before = snapshot(model)
+    with raises_naming(exc, *fragments):
+        build(model)
+    assert_unchanged(before, model)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+@pytest.mark.parametrize("option", ["lr", "weight_decay"])
+def test_every_optimizer_rejects_negative_hyperparameters(name, option):
+    model = make_model()
+    before = snapshot(model)
+    with raises_naming(ValueError, f"{option}=-0.1"):
+        CLASSES[name](orthoptim.param_groups(model), **{option: -0.1})
+    assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("name", ["dion3", "dion2", "muon", "normuon"])
+def test_distributed_mesh_of_the_wrong_type_names_the_argument(name):
+    """distributed_mesh takes None, a ProcessGroup or a 1-D DeviceMesh; anything else is refused."""
+    model = make_model()
+    before = snapshot(model)
+    with raises_naming(TypeError, "distributed_mesh", "ProcessGroup", "DeviceMesh"):
+        CLASSES[name](orthoptim.param_groups(model), distributed_mesh=object())
+    assert_unchanged(before, model)
+
+
+@pytest.mark.parametrize("argument", ["replicate_mesh", "outer_shard_mesh", "inner_shard_mesh"])
+def test_dion_mesh_arguments_are_refused_naming_the_argument(argument):
+    """Dion's meshes are not implemented on one process (NotImplementedError); should a version accept
+    some meshes, a non-mesh object must still be refused by name (TypeError)."""
+    model = make_model()
+    before = snapshot(model)
+    with raises_naming((NotImplementedError, TypeError), argument):
+        orthoptim.Dion(orthoptim.param_groups(model), **{argument: object()})
+    assert_unchanged(before, model)
+
+
+# ----------------------------------------------------------------------------- add_param_group
+def set_grads(model: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(500 + step)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def live_optimizer(name: str = "dion3", **kwargs):
+    """An optimizer over everything but ``out``, with non-zero state after two steps."""
+    model = make_model()
+    groups = [g for g in orthoptim.param_groups(model, overrides={"out.*": {"algorithm": "adamw"}})
+              if g["name"] != "out.*"]
+    opt = CLASSES[name](groups, lr=0.02, **kwargs)
+    for t in range(2):
+        set_grads(model, t)
+        opt.step()
+    return model, opt
+
+
+ADD_GROUP_CASES = [
+    ("negative_lr", {"lr": -1.0}, ValueError, ["lr=-1.0", "param group 3"]),
+    ("num_heads", {"num_heads": 5}, ValueError, ["out.weight", "num_heads=5"]),
+    ("split_sizes", {"split_sizes": [4, 5]}, ValueError, ["out.weight", "split_sizes=[4, 5]"]),
+    ("algorithm", {"algorithm": "adam"}, ValueError, ["algorithm='adam'"]),
+    ("mu", {"mu": 1.0}, ValueError, ["mu=1.0"]),
+    ("orthogonalizer", {"orthogonalizer": "qr"}, ValueError, ["orthogonalizer", "'qr'"]),
+    ("vector_param", {"with_bias": True}, ValueError, ["out.bias", "algorithm='adamw'"]),
+]
+
+
+@pytest.mark.parametrize(("options", "exc", "fragments"), [c[1:] for c in ADD_GROUP_CASES],
+                         ids=[c[0] for c in ADD_GROUP_CASES])
+def test_add_param_group_with_bad_options_leaves_existing_groups(options, exc, fragments):
+    model, opt = live_optimizer()
+    assert len(opt.param_groups) == 3
+    before = snapshot(model, opt)
+    options = dict(options)
+    names = ["out.weight", "out.bias"] if options.pop("with_bias", False) else ["out.weight"]
+    with raises_naming(exc, *fragments):
+        opt.add_param_group(named_group(model, *names, **options))
+    assert_unchanged(before, model, opt)
+    assert len(opt.param_groups) == 3
+    assert model.out.weight not in opt.state and model.out.bias not in opt.state
+
+    # Still usable: a correct group can be added afterwards, and steps run.
+    opt.add_param_group(named_group(model, "out.weight"))
+    assert "momentum" in opt.state[model.out.weight]
+    set_grads(model, 2)
+    opt.step()
+
+
+# ----------------------------------------------------------------------------- non-finite gradients
+BAD_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+BAD_PARAMS = ["lin.weight", "conv.weight", "norm.bias", "emb.weight"]  # matrix, flattened conv, AdamW ×2
+
+
+def poison(model: nn.Module, name: str, value: float) -> None:
+    """One bad entry in the middle of an otherwise finite gradient."""
+    grad = dict(model.named_parameters())[name].grad
+    grad.view(-1)[grad.numel() // 2] = value
+
+
+@pytest.mark.parametrize("bad_param", BAD_PARAMS)
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_nonfinite_gradient_raises_and_changes_nothing(name, bad_param):
+    model, opt = live_optimizer(name)
+    value = list(BAD_VALUES.values())[BAD_PARAMS.index(bad_param) % 3]
+    set_grads(model, 2)
+    poison(model, bad_param, value)
+    before = snapshot(model, opt)
+    with raises_naming(orthoptim.NonFiniteGradientError, bad_param, "nonfinite='skip'"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize("value", list(BAD_VALUES))
+def test_nonfinite_error_then_recovery_matches_a_run_without_the_bad_step(value):
+    """After the refused step, the next finite step gives exactly what an optimizer that never saw
+    the bad gradient gives: nothing half-applied is left behind, for any parameter."""
+    model_a, opt_a = live_optimizer("dion3")
+    model_b, opt_b = live_optimizer("dion3")
+    set_grads(model_a, 2)
+    poison(model_a, "lin.weight", BAD_VALUES[value])
+    with pytest.raises(orthoptim.NonFiniteGradientError):
+        opt_a.step()
+    for model, opt in ((model_a, opt_a), (model_b, opt_b)):
+        set_grads(model, 3)
+        opt.step()
+    for (n, pa), pb in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+
+
+def test_nonfinite_error_is_a_floating_point_error():
+    assert issubclass(orthoptim.NonFiniteGradientError, FloatingPointError)
+
+
+@pytest.mark.parametrize("bad_param", ["lin.weight", "norm.weight"])
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_nonfinite_skip_warns_and_updates_only_the_others(name, bad_param):
+    model, opt = live_optimizer(name, nonfinite="skip")
+    set_grads(model, 2)
+    poison(model, bad_param, float("nan"))
+    params = dict(model.named_parameters())
+    before_params = {n: p.detach().clone() for n, p in params.items()}
+    before_state = {n: _clone(opt.state[p]) for n, p in params.items() if p in opt.state}
+    with pytest.warns(UserWarning, match=re.escape(bad_param)) as record:
+        opt.step()
+    messages = [str(w.message) for w in record if "non-finite" in str(w.message)]
+    assert len(messages) == 1 and "skipped" in messages[0]
+    for n, p in params.items():
+        if n == bad_param or n.startswith("out."):  # the skipped one, and the one outside the optimizer
+            assert torch.equal(p, before_params[n]), f"{n} should not move"
+        else:
+            assert not torch.equal(p, before_params[n]), f"{n} should have been updated"
+        if n in before_state:
+            if n == bad_param:
+                _assert_equal(before_state[n], opt.state[p], f"state of {n}")
+            else:
+                assert any(not torch.equal(v, opt.state[p][k]) for k, v in before_state[n].items()), n
+
+
+def test_nonfinite_skip_only_in_the_group_that_asks_for_it():
+    """``nonfinite`` is a group option: "skip" in the AdamW group does not silence the matrix group."""
+    model = make_model()
+    groups = orthoptim.param_groups(model)
+    for g in groups:
+        if g.get("algorithm") == "adamw":
+            g["nonfinite"] = "skip"
+    opt = orthoptim.Dion3(groups)
+    set_grads(model, 0)
+    poison(model, "emb.weight", float("nan"))
+    with pytest.warns(UserWarning, match="emb.weight"):
+        opt.step()
+    set_grads(model, 1)
+    poison(model, "lin.weight", float("nan"))
+    before = snapshot(model, opt)
+    with raises_naming(orthoptim.NonFiniteGradientError, "lin.weight"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
+# ----------------------------------------------------------------------------- unknown group keys
+def test_misspelled_group_key_warns_naming_it():
+    model = make_model()
+    with pytest.warns(UserWarning, match="'weight_decy'") as record:
+        opt = orthoptim.Muon([named_group(model, "lin.weight", weight_decy=0.1)])
+    assert any("spelling" in str(w.message) for w in record)
+    assert opt.param_groups[0]["weight_decay"] == opt.defaults["weight_decay"]  # the typo set nothing
+
+
+def test_misspelled_key_in_add_param_group_warns_naming_it():
+    model, opt = live_optimizer()
+    with pytest.warns(UserWarning, match="'lr_scale'"):
+        opt.add_param_group(named_group(model, "out.weight", lr_scale=2.0))
+
+
+def test_known_keys_do_not_warn():
+    """No false alarms: param_groups output (name, param_names) and every documented option."""
+    model = make_model()
+    every_option = dict(lr=0.01, weight_decay=0.0, mu=0.9, fraction=0.5, muon_beta2=0.9, nesterov=True,
+                        adjust_lr="rms_norm", orthogonalizer="gram", flatten=False, nonfinite="skip",
+                        selection_scope="global", epsilon=1e-7, betas=(0.8, 0.9), rank_fraction=0.5,
+                        qr_method="qr", algorithm="dion3")
+    groups = orthoptim.param_groups(model, overrides={"lin.weight": {"num_heads": 2, "split_sizes": [2, 4]},
+                                                      "out.weight": every_option})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        orthoptim.Dion3(groups)
