@@ -14,19 +14,23 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
+from orthoptim.distributed.row_exchange import RowExchange, shard_rows
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
 from orthoptim.orthogonalize import Orthogonalizer, get_orthogonalizer, normalize_columns
+from orthoptim.rules.normalization import orthogonalize_and_normalize
+from orthoptim.rules.selection import num_selected
 
 try:
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
-    DTensor = ()  # type: ignore[assignment,misc]
+    DTensor = Replicate = Shard = ()  # type: ignore[assignment,misc]
 
 # Every key any algorithm reads, with its library-wide default; subclasses override some.
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -69,7 +73,18 @@ class _Matrix:
     grad: Tensor
     momentum: Tensor
     extra: Tensor | None  # per-row variance [rows] (NorMuon, Dion3) or right factor [cols, r] (Dion)
-    rank: int = 0
+    rank: int
+    layout: str  # see OrthonormalOptimizer._layout
+    full_shape: tuple[int, int]  # the whole matrix's shape (differs from param.shape when row-sharded)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of a DTensor (a view: in-place updates land in the DTensor), or t itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
+    return lambda *args: fn(*args)[0]
 
 
 class OrthonormalOptimizer(Optimizer):
@@ -121,11 +136,34 @@ class OrthonormalOptimizer(Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"parameter {label} is not contiguous; call .contiguous() on it first")
         if isinstance(p, DTensor):
+            self._check_dtensor(p, group, label)
+
+    def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
+        """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
+        where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
+        if self._process_group is None:
+            raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
+        if p.device_mesh.ndim != 1 or p.device_mesh.size() != dist.get_world_size(self._process_group):
             raise NotImplementedError(
-                f"parameter {label} is a DTensor with placements {tuple(p.placements)}: sharded parameters "
-                "(FSDP2, tensor parallel) are not supported in this version; use replicated parameters (DDP) "
-                "with distributed_mesh=<ProcessGroup>"
-            )
+                f"{where}: only 1-D meshes over the distributed_mesh's ranks are supported in this version "
+                "(2-D FSDP x TP meshes are not); for HSDP pass the shard sub-mesh")
+        placement = p.placements[0]
+        algorithm = group["algorithm"]
+        if algorithm not in MATRIX_ALGORITHMS or isinstance(placement, Replicate):
+            return  # elementwise rules and replicated matrices need nothing special
+        if not (isinstance(placement, Shard) and placement.dim == 0):
+            raise NotImplementedError(f"{where}: matrix rules support Shard(0) (FSDP2) or Replicate only")
+        if p.ndim == 3 and not group["flatten"]:
+            return  # whole matrices of a batch live on each rank
+        if algorithm == "dion":
+            raise NotImplementedError(f"{where}: Dion with sharded parameters is not supported in this version")
+        if group["num_heads"] is not None or group["split_sizes"] is not None:
+            raise NotImplementedError(
+                f"{where}: num_heads / split_sizes with row-sharded parameters are not supported in this version")
+        if algorithm in ("dion2", "dion3") and group["selection_scope"] != "local":
+            raise NotImplementedError(
+                f"{where}: selection_scope={group['selection_scope']!r} with row-sharded parameters is not "
+                "supported in this version; use selection_scope='local'")
 
     def param_name(self, p: Tensor) -> str:
         """The parameter's name (from ``param_names``) or its position in the optimizer."""
@@ -160,7 +198,7 @@ class OrthonormalOptimizer(Optimizer):
         state.setdefault("momentum", torch.zeros_like(p, memory_format=torch.contiguous_format))
         if algorithm in ("normuon", "dion3"):
             # One second moment per row (neuron), kept in fp32: it is tiny and an EMA needs the bits.
-            state.setdefault("variance", torch.zeros(view.batch, view.rows, device=p.device, dtype=torch.float32))
+            state.setdefault("variance", self._row_state(p, view))
         if algorithm == "dion":
             ranks = self._dion_ranks(view, group["rank_fraction"])
             shape = (view.num_matrices, view.cols, max(ranks))
@@ -175,11 +213,31 @@ class OrthonormalOptimizer(Optimizer):
                 q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32), group["epsilon"])
                 state["Q"] = q.to(device=p.device, dtype=p.dtype)
 
+    @staticmethod
+    def _row_state(p: Tensor, view: MatrixView) -> Tensor:
+        """Zeros [batch, rows] in fp32; for a DTensor parameter a DTensor sharded like its rows."""
+        if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
+            return torch.zeros(view.batch, view.rows, device=p.device, dtype=torch.float32)
+        local = _local(p)
+        # Shard(0) splits the rows of a matrix (dim 1 of [1, rows]) or the batch of a 3-D tensor (dim 0).
+        batched = p.ndim == 3 and (view.batch, view.rows) == tuple(p.shape[:2])
+        shape_local = (local.shape[0], view.rows) if batched else (1, local.shape[0])
+        placement = Shard(0) if batched else Shard(1)
+        return DTensor.from_local(torch.zeros(shape_local, device=local.device, dtype=torch.float32),
+                                  p.device_mesh, (placement,), shape=torch.Size((view.batch, view.rows)),
+                                  stride=(view.rows, 1))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
+        # is fp32 by design, so it is taken from the saved copy rather than from the rounded one.
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = state_dict["state"]
         super().load_state_dict(state_dict)
-        for state in self.state.values():
-            if "variance" in state:
-                state["variance"] = state["variance"].float()
+        for i, p in zip(ids, params):
+            variance = saved.get(i, {}).get("variance")
+            if variance is not None:
+                self.state[p]["variance"] = variance.to(device=p.device, dtype=torch.float32, copy=True)
 
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()
@@ -216,8 +274,19 @@ class OrthonormalOptimizer(Optimizer):
         if not params:
             return work
         # One reduction pass over all gradients and one host sync for the whole step.
-        maxima = torch._foreach_norm([p.grad for p in params], ord=math.inf)
-        finite = torch.isfinite(torch.stack([m.float().to(maxima[0].device) for m in maxima]))
+        grads = [_local(p.grad) for p in params]
+        finite = torch.ones(len(grads), dtype=torch.bool, device=grads[0].device)
+        nonempty = [i for i, g in enumerate(grads) if g.numel()]  # empty shards: nothing to check
+        if nonempty:
+            maxima = torch._foreach_norm([grads[i] for i in nonempty], ord=math.inf)
+            finite[nonempty] = torch.isfinite(torch.stack([m.float().to(finite.device) for m in maxima]))
+        if self._process_group is not None:
+            # Sharded gradients differ per rank: agree on the verdict, or ranks would diverge (and hang).
+            bad_anywhere = (~finite).to(torch.int32)
+            dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=self._process_group)
+            if self.comm_stats is not None:
+                self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
+            finite = bad_anywhere == 0
         if bool(finite.all()):
             return work
         bad = {p for p, ok in zip(params, finite.tolist()) if not ok}
@@ -236,9 +305,9 @@ class OrthonormalOptimizer(Optimizer):
             )
         return [(g, [p for p in ps if p not in bad]) for g, ps in work]
 
-    def _orthogonalizer(self, group: dict[str, Any]) -> Orthogonalizer:
-        spec = group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[group["algorithm"]]
-        return self._share(get_orthogonalizer(spec))
+    @staticmethod
+    def _orthogonalizer(group: dict[str, Any]) -> Orthogonalizer:
+        return get_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[group["algorithm"]])
 
     def _share(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """Distributed: each rank computes its share of a batch function and all-gathers the rest."""
@@ -246,51 +315,97 @@ class OrthonormalOptimizer(Optimizer):
             return fn
         return split_batch(fn, self._process_group, self.comm_stats)
 
+    def _layout(self, p: Tensor, group: dict[str, Any]) -> str:
+        """How the step treats a parameter: "replicated" (whole on every rank, or single process),
+        "row_sharded" (FSDP2 Shard(0) of a matrix: rows assembled at an owner rank) or "local"
+        (Shard(0) of a batch of matrices: every rank owns whole matrices, no communication)."""
+        if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
+            return "replicated"
+        if p.ndim == 3 and not group["flatten"]:
+            return "local"
+        return "row_sharded"
+
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         algorithm = group["algorithm"]
         matrices: list[_Matrix] = []
         for p in params:
-            view = self._view(p, group)
             state = self.state[p]
-            grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            x, m = _local(p), _local(state["momentum"])
+            grad = _local(p.grad)
+            grad = grad if grad.is_contiguous() else grad.contiguous()
+            layout = self._layout(p, group)
+            if layout == "row_sharded":
+                # One local row block of the full matrix; blocks (heads, splits) are rejected up front.
+                full_rows, cols = p.shape[0], math.prod(p.shape[1:])
+                expected = shard_rows(full_rows, dist.get_world_size(self._process_group))
+                if x.shape[0] != expected[dist.get_rank(self._process_group)]:
+                    raise ValueError(
+                        f"parameter {self.param_name(p)}: local shard has {x.shape[0]} rows but Shard(0) of "
+                        f"{full_rows} rows gives {expected}; only torch.chunk-style (FSDP2) sharding is supported"
+                    )
+                extra = _local(state["variance"]).view(-1) if algorithm in ("normuon", "dion3") else None
+                matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, 0,
+                                        layout, (full_rows, cols)))
+                continue
+            view = self._view(p, group) if layout == "replicated" else matrix_view(
+                x.shape, name=self.param_name(p), flatten=group["flatten"], num_heads=group["num_heads"],
+                split_sizes=group["split_sizes"])
             extra: list[Any]
             ranks = [0] * view.num_matrices
             if algorithm in ("normuon", "dion3"):
-                extra = view.row_vectors(state["variance"])
+                extra = view.row_vectors(_local(state["variance"]))
             elif algorithm == "dion":
                 ranks = self._dion_ranks(view, group["rank_fraction"])
                 extra = [state["Q"][i, :, :r] for i, r in enumerate(ranks)]
             else:
                 extra = [None] * view.num_matrices
-            for x, g, m, e, r in zip(view.matrices(p), view.matrices(grad), view.matrices(state["momentum"]),
-                                     extra, ranks):
-                matrices.append(_Matrix(x, g, m, e, r))
+            for xv, gv, mv, e, r in zip(view.matrices(x), view.matrices(grad), view.matrices(m), extra, ranks):
+                matrices.append(_Matrix(xv, gv, mv, e, r, layout, tuple(xv.shape)))
 
         lr, wd = group["lr"], group["weight_decay"]
-        for batch in megabatches(matrices, key=lambda m: (tuple(m.param.shape), m.param.dtype,
-                                                           m.param.device, m.rank)):
+        # Keyed by the full shape, so every rank forms the same batches in the same order.
+        for batch in megabatches(matrices, key=lambda m: (m.full_shape, m.param.dtype, m.param.device, m.rank,
+                                                           m.layout)):
             xs = [m.param for m in batch]
             gs = [m.grad for m in batch]
             ms = [m.momentum for m in batch]
             es = [m.extra for m in batch]
-            scale = rules.lr_scale(*xs[0].shape, group["adjust_lr"])
-            common = {"lr": lr, "weight_decay_rate": wd, "scale": scale}
+            layout, (rows, cols) = batch[0].layout, batch[0].full_shape
+            common = {"lr": lr, "weight_decay_rate": wd, "scale": rules.lr_scale(rows, cols, group["adjust_lr"])}
+            orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
+            finish = None
+            if layout == "row_sharded":
+                world = dist.get_world_size(self._process_group)
+                counts = shard_rows(rows, world)
+                if algorithm in ("dion2", "dion3"):
+                    counts = [num_selected(c, group["fraction"]) for c in counts]
+                exchange = RowExchange(self._process_group, counts, len(batch), self.comm_stats)
+                if algorithm in ("normuon", "dion3"):
+                    middle = partial(orthogonalize_and_normalize, orthogonalize=orthogonalize,
+                                     beta2=group["muon_beta2"], eps=group["epsilon"])
+                    finish = partial(exchange.run, middle)
+                else:
+                    orthogonalize = _first(partial(exchange.run, orthogonalize))
+            elif layout == "replicated":
+                orthogonalize = self._share(orthogonalize)
             if algorithm == "muon":
                 rules.muon_update(xs, gs, ms, mu=group["mu"], nesterov=group["nesterov"],
-                                  orthogonalize=self._orthogonalizer(group), **common)
+                                  orthogonalize=orthogonalize, **common)
             elif algorithm == "normuon":
                 rules.normuon_update(xs, gs, ms, es, mu=group["mu"], nesterov=group["nesterov"],
-                                     beta2=group["muon_beta2"], eps=group["epsilon"],
-                                     orthogonalize=self._orthogonalizer(group), **common)
+                                     beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
+                                     finish=finish, **common)
             elif algorithm == "dion2":
                 rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"],
-                                   orthogonalize=self._orthogonalizer(group), **common)
+                                   orthogonalize=orthogonalize, dim=0 if layout == "row_sharded" else None, **common)
             elif algorithm == "dion3":
                 rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
-                                   beta2=group["muon_beta2"], eps=group["epsilon"],
-                                   orthogonalize=self._orthogonalizer(group), **common)
+                                   beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
+                                   finish=finish, **common)
             else:
-                factors = self._share(partial(rules.low_rank_factors, qr_method=group["qr_method"]))
+                factors = partial(rules.low_rank_factors, qr_method=group["qr_method"])
+                if layout == "replicated":
+                    factors = self._share(factors)
                 rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors, **common)
 
     def _scalar_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
@@ -298,14 +413,17 @@ class OrthonormalOptimizer(Optimizer):
         key = (lambda p: (p.device, p.dtype, float(self.state[p]["step"]))) if group["algorithm"] == "adamw" \
             else (lambda p: (p.device, p.dtype))
         for batch in megabatches(params, key=key):
-            grads = [p.grad for p in batch]
+            # Elementwise rules: each rank updates its own shard, no communication.
+            xs = [_local(p) for p in batch]
+            grads = [_local(p.grad) for p in batch]
             states = [self.state[p] for p in batch]
+            exp_avgs = [_local(s["exp_avg"]) for s in states]
             if group["algorithm"] == "adamw":
                 for s in states:
                     s["step"] += 1
-                rules.adamw_update(batch, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                rules.adamw_update(xs, grads, exp_avgs, [_local(s["exp_avg_sq"]) for s in states],
                                    int(states[0]["step"]), lr=group["lr"], beta1=beta1, beta2=beta2,
                                    eps=group["epsilon"], weight_decay_rate=group["weight_decay"])
             else:
-                rules.lion_update(batch, grads, [s["exp_avg"] for s in states], lr=group["lr"], beta1=beta1,
-                                  beta2=beta2, weight_decay_rate=group["weight_decay"])
+                rules.lion_update(xs, grads, exp_avgs, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                  weight_decay_rate=group["weight_decay"])

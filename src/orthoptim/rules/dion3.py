@@ -8,6 +8,7 @@ untouched;  Ô = O/(√V[S] + ε) rescaled to ‖O‖_F;  X ← X(1 − lr·wd);
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -29,16 +30,22 @@ def dion3_update(
     weight_decay_rate: float,
     scale: float,
     orthogonalize: Callable[[Tensor], Tensor],
+    finish: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> None:
-    """One Dion3 step for a megabatch of same-shape matrices; ``variances`` are [m] row views."""
+    """One Dion3 step for a megabatch of same-shape matrices; ``variances`` are [m] row views.
+
+    ``finish(U, V[S]) → (Ô, V_new)`` defaults to orthogonalize-then-normalize on this process; a
+    distributed plan passes one that runs it where the whole rows are.
+    """
     momentum.accumulate_(momenta, grads, 1.0)
     k = selection.num_selected(momenta[0].shape[0], fraction)
     index = selection.top_slices(momenta, k, 0)
     u = selection.gather_slices(momenta, index, 0)
     selection.scatter_slices_(momenta, index, u * mu, 0)
-    o = orthogonalize(u)
+    if finish is None:
+        finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
     v_selected = torch.stack([v[i] for v, i in zip(variances, index)])
-    o_hat, v_new = normalization.normalize_rows(o, v_selected, beta2, eps)
+    o_hat, v_new = finish(u, v_selected)
     for v, i, new in zip(variances, index, v_new):
         v.index_copy_(0, i, new)
     weight_decay.decay_(params, lr, weight_decay_rate)

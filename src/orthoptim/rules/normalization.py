@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -20,3 +22,15 @@ def normalize_rows(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tens
     norm_hat = torch.linalg.vector_norm(o_hat, dim=(-2, -1), keepdim=True)
     o_hat = o_hat * (norm_o / (norm_hat + eps))
     return o_hat, v_new.to(v.dtype)
+
+
+def orthogonalize_and_normalize(
+    u: Tensor, v: Tensor, *, orthogonalize: Callable[[Tensor], Tensor], beta2: float, eps: float
+) -> tuple[Tensor, Tensor]:
+    """The middle of NorMuon and Dion3: Ô and the new V for a batch U [B, k, n] with its rows' V [B, k].
+
+    Ô comes back in U's dtype (the rounding the parameter update would apply anyway), so the
+    same function can run on another rank and travel back in U's buffers.
+    """
+    o_hat, v_new = normalize_rows(orthogonalize(u), v, beta2, eps)
+    return o_hat.to(u.dtype), v_new

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -24,11 +25,16 @@ def normuon_update(
     weight_decay_rate: float,
     scale: float,
     orthogonalize: Callable[[Tensor], Tensor],
+    finish: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> None:
-    """One NorMuon step; ``variances`` are the per-row second moments ([m] views)."""
+    """One NorMuon step; ``variances`` are the per-row second moments ([m] views).
+
+    ``finish(B, V) → (Ô, V_new)``: see ``dion3_update``.
+    """
     momentum.accumulate_(momenta, grads, mu)
-    o = orthogonalize(momentum.stack_update_input(momenta, grads, mu, nesterov))
-    o_hat, v_new = normalization.normalize_rows(o, torch.stack(variances), beta2, eps)
+    if finish is None:
+        finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
+    o_hat, v_new = finish(momentum.stack_update_input(momenta, grads, mu, nesterov), torch.stack(variances))
     torch._foreach_copy_(variances, list(v_new.unbind(0)))
     weight_decay.decay_(params, lr, weight_decay_rate)
     weight_decay.apply_(params, o_hat, lr * scale)

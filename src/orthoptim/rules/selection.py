@@ -9,8 +9,8 @@ from torch import Tensor
 
 
 def num_selected(size: int, fraction: float) -> int:
-    """k = ceil(fraction · size), at least 1."""
-    return max(1, math.ceil(fraction * size - 1e-9))
+    """k = ceil(fraction · size): at least 1, except 0 for an empty (shard of a) matrix."""
+    return max(1, math.ceil(fraction * size - 1e-9)) if size > 0 else 0
 
 
 def top_slices(momenta: list[Tensor], k: int, dim: int) -> Tensor:
