@@ -143,11 +143,6 @@ def test_head_is_found_by_module_type_not_by_name():
     assert "algorithm" not in group_of(groups, model.head.weight)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "grouping._classify takes as output head the last nn.Linear whose out_features equals any "
-    "embedding's num_embeddings, even when that Linear is a hidden layer followed by more Linears: in a "
-    "model with no LM head whose MLP width equals the vocabulary size, the MLP up-projection is sent to "
-    "AdamW as 'output head'"))
 def test_hidden_linear_as_wide_as_the_vocabulary_is_not_a_head():
     class TokenClassifier(nn.Module):
         def __init__(self) -> None:

@@ -167,10 +167,6 @@ def test_save_load_with_scheduler_continues_bit_identically():
     assert [g["lr"] for g in opt_b.param_groups] == [g["lr"] for g in opt_a.param_groups]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "load_state_dict loses bits of the fp32 per-row 'variance' of NorMuon/Dion3 for bf16 parameters: "
-    "torch.optim.Optimizer.load_state_dict casts every floating state tensor except 'step' to the "
-    "parameter's dtype (bf16), and OrthonormalOptimizer.load_state_dict only casts it back with .float()"))
 @pytest.mark.parametrize("name", ["normuon", "dion3"])
 def test_save_load_bf16_parameters_keeps_fp32_variance(name):
     model_a = make_model(torch.bfloat16)

@@ -31,10 +31,13 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
         if isinstance(module, _EMBEDDING_TYPES):
             embeddings[id(module.weight)] = mname or "<root>"
             vocab_sizes.add(module.num_embeddings)
-    # The output head: the last nn.Linear whose output size is an embedding's vocabulary size.
+    # The output head: the last nn.Linear whose output size is an embedding's vocabulary size, unless
+    # some nn.Linear reads vectors of that size (then such outputs are hidden activations, not scores).
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    read_sizes = {m.in_features for m in linears}
     head_id = None
-    for _mname, module in model.named_modules():
-        if isinstance(module, nn.Linear) and module.out_features in vocab_sizes:
+    for module in linears:
+        if module.out_features in vocab_sizes and module.out_features not in read_sizes:
             head_id = id(module.weight)
     kinds: dict[int, tuple[str, str]] = {}
     for _mname, module in model.named_modules():
