@@ -1,0 +1,145 @@
+"""The data behind `orthoptim train`: the built-in corpus builder, the .bin shard reader, --data forms."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from orthoptim.train import data
+
+
+def _write_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.bin"))}
+
+
+def test_builtin_corpus_is_deterministic_and_cached(tmp_path):
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    a = data.builtin_corpus(tmp_path / "a", cap_bytes=256 * 1024)
+    b = data.builtin_corpus(tmp_path / "b", cap_bytes=256 * 1024)
+    folder_a, folder_b = (next((tmp_path / x / "corpus").iterdir()) for x in ("a", "b"))
+    assert _digest(folder_a) == _digest(folder_b)
+    assert len(_digest(folder_a)) == 2
+    assert torch.equal(a.train[0], b.train[0]) and torch.equal(a.val[0], b.val[0])
+    assert a.vocab_size == 256 and a.bytes_per_token == 1.0
+    assert a.num_tokens("train") >= 256 * 1024 * 0.8 and a.num_tokens("val") > 0
+    assert str(stdlib) in (folder_a / "meta.json").read_text()
+    # second call reads the cache: same tensors, no rebuild (the shard files keep their mtime)
+    mtime = (folder_a / "train.bin").stat().st_mtime_ns
+    again = data.builtin_corpus(tmp_path / "a", cap_bytes=256 * 1024)
+    assert torch.equal(again.train[0], a.train[0])
+    assert (folder_a / "train.bin").stat().st_mtime_ns == mtime
+
+
+def test_corpus_split_by_file_and_order_independent(tmp_path):
+    files = {f"pkg{i % 3}/mod{i}.py": f"# module {i}\n" + "x = 1\n" * (i + 1) for i in range(60)}
+    files["test/test_skip.py"] = "SKIPPED\n"
+    _write_tree(tmp_path / "src", files)
+    meta = data.build_corpus(tmp_path / "src", tmp_path / "out", cap_bytes=None)
+    assert meta["files"]["train"] + meta["files"]["val"] == 60  # the test/ folder is left out
+    assert meta["files"]["val"] >= 1
+    train = bytes(data.read_shard(tmp_path / "out" / "train.bin").tolist())
+    val = bytes(data.read_shard(tmp_path / "out" / "val.bin").tolist())
+    assert b"SKIPPED" not in train + val
+    train_modules = {line for line in train.split(b"\n") if line.startswith(b"# module")}
+    val_modules = {line for line in val.split(b"\n") if line.startswith(b"# module")}
+    assert not train_modules & val_modules and len(train_modules | val_modules) == 60
+    # a rebuild gives the same bytes
+    data.build_corpus(tmp_path / "src", tmp_path / "out2", cap_bytes=None)
+    assert _digest(tmp_path / "out") == _digest(tmp_path / "out2")
+
+
+def _handmade_shard(path: Path, tokens: list[int], magic: int = 20240520, version: int = 1,
+                    count: int | None = None) -> None:
+    header = [magic, version, len(tokens) if count is None else count] + [0] * 253
+    path.write_bytes(struct.pack("<256i", *header) + struct.pack(f"<{len(tokens)}H", *tokens))
+
+
+def test_bin_reader_on_a_shard_written_here(tmp_path):
+    tokens = [0, 1, 2, 50256, 65535, 7] * 50
+    _handmade_shard(tmp_path / "shard.bin", tokens)
+    read = data.read_shard(tmp_path / "shard.bin")
+    assert read.dtype == torch.uint16 and read.to(torch.int64).tolist() == tokens
+    data.write_shard(tmp_path / "again.bin", torch.tensor(tokens))
+    assert (tmp_path / "again.bin").read_bytes() == (tmp_path / "shard.bin").read_bytes()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"magic": 12345}, "header magic is 12345"),
+    ({"version": 7}, "shard version 7"),
+    ({"count": 999}, "truncated"),
+])
+def test_bad_shards_are_named(tmp_path, kwargs, message):
+    _handmade_shard(tmp_path / "bad.bin", [1, 2, 3], **kwargs)
+    with pytest.raises(data.DataError, match=message):
+        data.read_shard(tmp_path / "bad.bin")
+    (tmp_path / "short.bin").write_bytes(b"\0" * 100)
+    with pytest.raises(data.DataError, match="shorter than the 1024-byte header"):
+        data.read_shard(tmp_path / "short.bin")
+
+
+def test_shard_folder_train_and_val(tmp_path):
+    _handmade_shard(tmp_path / "fineweb_train_000001.bin", list(range(1000)))
+    _handmade_shard(tmp_path / "fineweb_train_000002.bin", list(range(200, 1000)))
+    _handmade_shard(tmp_path / "fineweb_val_000000.bin", list(range(300)))
+    ds = data.load_data(tmp_path)
+    assert len(ds.train) == 2 and len(ds.val) == 1
+    assert ds.vocab_size == 1024  # largest id in the first train shard and val (999) + 1, rounded up to 64
+    assert ds.bytes_per_token is None
+    x, y = ds.batch("train", 8, 16, seed=0, step=3)
+    assert x.shape == (8, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.all(y - x == 1)  # consecutive ids: no window crosses from one shard into the next
+    x2, _ = ds.batch("train", 8, 16, seed=0, step=3)
+    x3, _ = ds.batch("train", 8, 16, seed=0, step=4)
+    assert torch.equal(x, x2) and not torch.equal(x, x3)
+    # ids beyond the first shard's vocabulary are caught by the batch, with the fix
+    ds.vocab_size = 64
+    with pytest.raises(data.DataError, match="--vocab-size"):
+        for step in range(20):
+            ds.batch("train", 8, 16, seed=0, step=step)
+
+
+def test_single_shard_holds_out_its_tail(tmp_path):
+    _handmade_shard(tmp_path / "one.bin", list(range(2000)))
+    ds = data.load_data(tmp_path / "one.bin")
+    assert ds.num_tokens("train") == 1900 and ds.num_tokens("val") == 100
+    assert int(ds.val[0][0]) == 1900
+
+
+def test_text_file_and_text_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 200)
+    ds = data.load_data(tmp_path / "a.txt")
+    assert ds.vocab_size == 256 and ds.num_tokens("train") + ds.num_tokens("val") == 2400
+    _write_tree(tmp_path / "docs", {f"d{i}.md": f"doc {i}\n" * 40 for i in range(30)})
+    folder = data.load_data(tmp_path / "docs")
+    assert folder.num_tokens("val") > 0 and "text folder" in folder.description
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    (lambda p: None, "no such file or folder"),
+    (lambda p: p.mkdir(), "no .bin shards and no text files"),
+    (lambda p: p.write_bytes(b"\x00\x01binary"), "looks binary"),
+])
+def test_bad_data_paths(tmp_path, setup, message):
+    target = tmp_path / "data"
+    setup(target)
+    with pytest.raises(data.DataError, match=message):
+        data.load_data(target)
+
+
+def test_too_little_data_for_the_context(tmp_path):
+    (tmp_path / "tiny.txt").write_text("abc" * 10)
+    ds = data.load_data(tmp_path / "tiny.txt")
+    with pytest.raises(data.DataError, match="shorter --context"):
+        data.check_fits(ds, 128)
