@@ -1,0 +1,331 @@
+"""The training loop of `orthoptim train`: one GPT, one optimizer, one run, in the order it happens.
+
+``train(name, cfg, data, out_dir)`` builds the model from ``cfg.seed``, the optimizer ``name`` and
+runs ``cfg.steps`` steps on batches fixed by (seed, step); a comparison calls it once per optimizer,
+so every optimizer starts from the same weights and sees the same batches.
+Each step: set the learning rate from the schedule → batch → forward → backward → clip (AdamW
+parameters only, see ``clip_parameters``) → optimizer step → record. Validation every
+``eval_every`` steps on the same windows each time; checkpoints every ``save_every`` steps.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import orthoptim
+from orthoptim.train.data import Dataset
+from orthoptim.train.model import GPT, GPTConfig
+from orthoptim.train.results import save_torch
+
+OPTIMIZERS = ("dion3", "muon", "adamw", "dion", "dion2", "normuon")
+
+# Peak learning rates, each chosen by a sweep of the default configuration at the default number of
+# steps (docs/cli.md has the sweep table and how to rerun it). For the orthonormal optimizers this is
+# the lr of the matrices (spectral_norm scaling); their AdamW groups (embeddings, head, norms) use the
+# AdamW learning rate, so that only the matrix rule differs between runs.
+DEFAULT_LR = {
+    "dion3": 0.02,
+    "muon": 0.02,
+    "adamw": 0.003,
+    "dion": 0.02,
+    "dion2": 0.02,
+    "normuon": 0.02,
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides a run. Defaults: the 2-CPU-core comparison (a few minutes per optimizer)."""
+
+    optimizers: list[str] = field(default_factory=lambda: ["dion3"])
+    # data
+    data: str | None = None  # None: the built-in corpus (Python standard library source, bytes)
+    cache_dir: str | None = None  # where the built-in corpus is cached (default ~/.cache/orthoptim)
+    corpus_mb: float = 4.0  # size of the built-in corpus sample (MiB of source text)
+    vocab_size: int | None = None  # None: 256 for text, from the tokens for .bin shards
+    # model
+    n_layer: int = 4
+    n_head: int = 4
+    d_model: int = 128
+    context: int = 128
+    mlp_ratio: int = 4
+    positions: str = "rope"
+    # optimization
+    steps: int = 600
+    batch_size: int = 16
+    lr: dict[str, float] = field(default_factory=dict)  # per optimizer; missing ones use DEFAULT_LR
+    scalar_lr: float | None = None  # lr of the AdamW groups of orthonormal optimizers; None: AdamW's lr
+    weight_decay: float = 0.01  # on the matrices only (never on embeddings, head, norms)
+    fraction: float = 0.25  # dion3, dion2: share of rows orthogonalized per step
+    rank_fraction: float = 0.25  # dion: rank / min(m, n)
+    warmup: float = 0.05  # share of steps with linear warm-up from 0
+    cooldown: float = 0.4  # share of steps, at the end, with linear decay to 0
+    clip: float = 1.0  # max global gradient norm of the AdamW-updated parameters; 0 disables
+    # evaluation, checkpoints, hardware
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 100  # checkpoint every this many steps (and at the end); 0: only at the end
+    seed: int = 0
+    device: str = "cpu"
+    autocast: str = "auto"  # "auto": bfloat16 on CUDA, off on CPU; "bf16"; "off"
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab_size or vocab_size, context=self.context, n_layer=self.n_layer,
+                         n_head=self.n_head, d_model=self.d_model, mlp_ratio=self.mlp_ratio,
+                         positions=self.positions)
+
+    def lr_for(self, name: str) -> float:
+        return self.lr.get(name, DEFAULT_LR[name])
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Warm-up, constant, then linear decay to 0: the multiplier of every group's peak lr at ``step``."""
+    warmup_steps = round(cfg.warmup * cfg.steps)
+    cooldown_steps = round(cfg.cooldown * cfg.steps)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step >= cfg.steps - cooldown_steps:
+        return (cfg.steps - step) / max(cooldown_steps, 1)
+    return 1.0
+
+
+# ------------------------------------------------------------------------------------ optimizer
+def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``name``'s optimizer over ``orthoptim.param_groups(model)``: matrices get the named rule;
+    embeddings, the head, norms get AdamW (no weight decay). The AdamW baseline is
+    torch.optim.AdamW over the very same groups (weight decay on the matrices only)."""
+    lr = cfg.lr_for(name)
+    scalar_lr = cfg.scalar_lr if cfg.scalar_lr is not None else cfg.lr_for("adamw")
+    groups = orthoptim.param_groups(model, scalar_lr=scalar_lr)
+    for g in groups:
+        if g.get("algorithm") == "adamw":
+            g["weight_decay"] = 0.0
+    if name == "adamw":
+        plain = [{"params": g["params"], "weight_decay": g.get("weight_decay", cfg.weight_decay)} for g in groups]
+        return torch.optim.AdamW(plain, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, foreach=True)
+    options: dict[str, Any] = {"lr": lr, "weight_decay": cfg.weight_decay}
+    if name in ("dion3", "dion2"):
+        options["fraction"] = cfg.fraction
+    if name == "dion":
+        options["rank_fraction"] = cfg.rank_fraction
+    classes = {"dion3": orthoptim.Dion3, "dion2": orthoptim.Dion2, "dion": orthoptim.Dion,
+               "muon": orthoptim.Muon, "normuon": orthoptim.NorMuon}
+    return classes[name](groups, **options)
+
+
+def clip_parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters whose gradients are clipped: those an Adam-type rule updates.
+
+    An orthonormal rule's step has a fixed size (lr·scale·orth(M)): scaling a gradient down changes
+    nothing about the step's norm, only how much that step weighs in the momentum against earlier
+    ones. So clipping cannot tame an orthonormal step; it can only reweight history. Adam's step
+    instead follows the gradient's size through its moment estimates, which is what clipping guards.
+    """
+    if not isinstance(optimizer, orthoptim.OrthonormalOptimizer):
+        return [p for g in optimizer.param_groups for p in g["params"]]
+    return [p for g in optimizer.param_groups if g["algorithm"] in ("adamw", "lion") for p in g["params"]]
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    use = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: Dataset, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean validation loss (nats/token) over the same ``eval_batches`` windows every time."""
+    model.eval()
+    losses = []
+    for i in range(cfg.eval_batches):
+        x, y = data.batch("val", cfg.batch_size, cfg.context, cfg.seed, i, device)
+        with _autocast(cfg, device):
+            _, loss = model(x, y)
+        losses.append(loss.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def peak_memory_mb(device: torch.device) -> tuple[float, str]:
+    """CUDA: peak allocated by this run. CPU: the process's peak resident set (all runs so far)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max allocated (this run)"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**20 if sys.platform == "darwin" else 2**10), "process peak RSS (cumulative)"
+
+
+def checkpoint_path(out_dir: Path, name: str) -> Path:
+    return out_dir / "checkpoints" / f"{name}.pt"
+
+
+def _new_history() -> dict[str, list]:
+    return {"step": [], "train_loss": [], "time_s": [], "step_ms": [], "opt_ms": [], "grad_norm": [],
+            "lr": [], "val_step": [], "val_loss": [], "val_time_s": []}
+
+
+# ------------------------------------------------------------------------------------ one run
+def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at: int | None = None,
+          progress: Callable[[str, int, dict], None] | None = None) -> dict:
+    """Train one GPT with optimizer ``name``; resume from ``out_dir``'s checkpoint when there is one.
+
+    Returns the run's record (summary numbers and the full history). With ``stop_at``, stops after
+    that step (checkpoint written) and returns the record with ``finished`` False.
+    """
+    device = torch.device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config(data.vocab_size)).to(device)
+    optimizer = build_optimizer(name, model, cfg)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = group["lr"]  # the peak lr; the schedule scales it each step
+    clipped = clip_parameters(optimizer)
+    tokens_per_step = cfg.batch_size * cfg.context
+    step, history = 0, _new_history()
+
+    ckpt_file = checkpoint_path(out_dir, name)
+    if ckpt_file.exists():
+        ckpt = torch.load(ckpt_file, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, history = ckpt["step"], ckpt["history"]
+
+    def save() -> None:
+        save_torch(ckpt_file, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                               "history": history, "config": asdict(cfg), "optimizer_name": name})
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    while True:
+        # validation: at step 0, every eval_every steps, and at the end
+        if (step % cfg.eval_every == 0 or step == cfg.steps) and (not history["val_step"]
+                                                                   or history["val_step"][-1] != step):
+            history["val_step"].append(step)
+            history["val_loss"].append(evaluate(model, data, cfg, device))
+            history["val_time_s"].append(history["time_s"][-1] if history["time_s"] else 0.0)
+        if step == cfg.steps or (stop_at is not None and step >= stop_at):
+            break
+
+        factor = lr_factor(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * factor
+
+        t0 = time.perf_counter()
+        x, y = data.batch("train", cfg.batch_size, cfg.context, cfg.seed, step, device)
+        with _autocast(cfg, device):
+            _, loss = model(x, y)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.clip) if cfg.clip > 0 else torch.zeros(())
+        _sync(device)
+        t1 = time.perf_counter()
+        optimizer.step()
+        _sync(device)
+        t2 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss_value = loss.item()
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"{name}: training loss became {loss_value} at step {step}; "
+                                     f"lower the learning rate (--lr, now {cfg.lr_for(name)})")
+        step += 1
+        history["step"].append(step)
+        history["train_loss"].append(loss_value)
+        history["time_s"].append((history["time_s"][-1] if history["time_s"] else 0.0) + (t2 - t0))
+        history["step_ms"].append((t2 - t0) * 1e3)
+        history["opt_ms"].append((t2 - t1) * 1e3)
+        history["grad_norm"].append(float(grad_norm))
+        history["lr"].append(cfg.lr_for(name) * factor)
+        if progress is not None:
+            progress(name, step, {"loss": loss_value, "val": history["val_loss"][-1],
+                                  "tok_s": tokens_per_step * step / history["time_s"][-1]})
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
+            save()
+    save()
+
+    # Medians skip the first steps (allocation, warm-up of kernels); sums would let one stall dominate.
+    skip = min(5, len(history["step_ms"]) // 2)
+    step_ms = statistics.median(history["step_ms"][skip:]) if history["step_ms"] else float("nan")
+    opt_ms = statistics.median(history["opt_ms"][skip:]) if history["opt_ms"] else float("nan")
+    peak_mb, peak_kind = peak_memory_mb(device)
+    final = history["val_loss"][-1]
+    return {
+        "optimizer": name,
+        "finished": step == cfg.steps,
+        "steps": step,
+        "lr": cfg.lr_for(name),
+        "final_val_loss": final,
+        "final_val_bpb": final / math.log(2) / data.bytes_per_token if data.bytes_per_token else None,
+        "final_train_loss_ema": _last_ema(history["train_loss"]),
+        "tokens_per_s": tokens_per_step * step / history["time_s"][-1] if history["time_s"] else None,
+        "step_ms_median": step_ms,
+        "opt_ms_median": opt_ms,
+        "opt_share": opt_ms / step_ms if step_ms else None,
+        "train_time_s": history["time_s"][-1] if history["time_s"] else 0.0,
+        "optimizer_state_mb": optimizer_state_bytes(optimizer) / 2**20,
+        "peak_memory_mb": peak_mb,
+        "peak_memory_kind": peak_kind,
+        "parameters": model.num_params(),
+        "history": history,
+    }
+
+
+def _last_ema(values: list[float], beta: float = 0.9) -> float | None:
+    if not values:
+        return None
+    avg = 0.0
+    for v in values:
+        avg = beta * avg + (1 - beta) * v
+    return avg / (1 - beta ** len(values))
+
+
+def environment(device: str) -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "orthoptim": orthoptim.__version__,
+           "platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "device": device}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return env
+
+
+def reproduce_command(cfg: TrainConfig, out: str) -> str:
+    """The command line that reruns this configuration with every option spelled out."""
+    parts = ["orthoptim", "train"]
+    if len(cfg.optimizers) == 1:
+        parts += ["--optimizer", cfg.optimizers[0]]
+    else:
+        parts += ["--compare", ",".join(cfg.optimizers)]
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name == "optimizers" or value is None:
+            continue
+        if f.name == "lr":  # every optimizer's resolved lr, so later changes of DEFAULT_LR do not matter
+            value = ",".join(f"{n}={cfg.lr_for(n):g}" for n in cfg.optimizers)
+        parts += [f"--{f.name.replace('_', '-')}", str(value)]
+    parts += ["--out", out]
+    return shlex.join(parts)
