@@ -1,0 +1,63 @@
+"""The `orthoptim` command: `orthoptim train` (train and compare optimizers on a small GPT) and
+`orthoptim bench` (optimizer step time and orthogonalization accuracy on GPT-shaped matrices)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from orthoptim import __version__
+
+
+class UsageError(Exception):
+    """An invalid option or combination of options; reported as one line, exit status 2."""
+
+
+class CommandError(Exception):
+    """The command could not do its job (bad data, a diverged run…); one line, exit status 1."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but every error is one line (the usage is one --help away)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def build_parser() -> Parser:
+    from orthoptim.cli import bench, train
+
+    parser = Parser(prog="orthoptim", formatter_class=HelpFormatter,
+                    description="Train, compare and benchmark orthonormal optimizers (Dion3, Dion, Dion2, Muon, "
+                                "NorMuon) against AdamW.",
+                    epilog="Run `orthoptim train --help` or `orthoptim bench --help` for each command's options.")
+    parser.add_argument("--version", action="version", version=f"orthoptim {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="{train,bench}", parser_class=Parser)
+    train.add_parser(commands)
+    bench.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    prog = f"orthoptim {args.command}"
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e} (see {prog} --help)", file=sys.stderr)
+        return 2
+    except CommandError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,124 @@
+"""`orthoptim train` end to end on a tiny configuration: files, resume, errors, --help."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from orthoptim.cli import main
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "16", "--context", "16", "--batch-size", "2",
+        "--eval-every", "2", "--eval-batches", "1", "--corpus-mb", "0.1", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(tmp_path, *args: str) -> int:
+    return main(["train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--quiet", *args])
+
+
+def test_compare_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--compare", "dion3,muon,adamw", "--steps", "4", "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    for name in ("dion3", "muon", "adamw"):
+        assert name in printed
+    for column in ("val loss", "bits/byte", "tokens/s", "opt ms/step", "opt share", "peak MB"):
+        assert column in printed
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["runs"]) == ["dion3", "muon", "adamw"]
+    for run in results["runs"].values():
+        assert run["finished"] and run["steps"] == 4
+        assert math.isclose(run["final_val_bpb"], run["final_val_loss"] / math.log(2))
+        assert run["history"]["val_step"] == [0, 2, 4]
+        assert len(run["history"]["train_loss"]) == 4
+        assert 0 < run["opt_share"] < 1
+    # same seed → same initial weights → the same loss before any step, for every optimizer
+    first = {r["history"]["val_loss"][0] for r in results["runs"].values()}
+    assert len(first) == 1
+    assert (out / "loss.png").stat().st_size > 10_000
+    assert (out / "summary.txt").read_text().startswith("optimizer")
+    config = json.loads((out / "config.json").read_text())
+    assert config["command"].startswith("orthoptim train --compare dion3,muon,adamw")
+    assert "--lr dion3=" in config["command"] and config["config"]["steps"] == 4
+    assert not list(out.glob(".*tmp*"))  # no temporary files left behind
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    names = "dion3,dion,adamw"
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert _train(tmp_path, "--compare", names, "--steps", "6", "--out", str(whole), "--no-plot") == 0
+    assert _train(tmp_path, "--compare", names, "--steps", "6", "--out", str(split), "--no-plot",
+                  "--stop-at", "3") == 0
+    partial = json.loads((split / "results.json").read_text())
+    assert all(not r["finished"] and r["steps"] == 3 for r in partial["runs"].values())
+    assert main(["train", "--resume", str(split), "--quiet", "--no-plot", "--threads", "1"]) == 0
+    a = json.loads((whole / "results.json").read_text())["runs"]
+    b = json.loads((split / "results.json").read_text())["runs"]
+    for name in names.split(","):
+        assert b[name]["finished"]
+        for key in ("step", "train_loss", "val_step", "val_loss", "grad_norm", "lr"):
+            assert a[name]["history"][key] == b[name]["history"][key], (name, key)
+    ckpt_a = torch.load(whole / "checkpoints" / "dion3.pt", weights_only=False)
+    ckpt_b = torch.load(split / "checkpoints" / "dion3.pt", weights_only=False)
+    for key, value in ckpt_a["model"].items():
+        assert torch.equal(value, ckpt_b["model"][key]), key
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--optimizer", "sgd"], "unknown optimizer(s) sgd"),
+    (["--compare", "dion3,dion3"], "names an optimizer twice"),
+    (["--optimizer", "dion3,muon"], "use --compare for several"),
+    (["--optimizer", "muon", "--compare", "muon,adamw"], "not allowed with argument"),
+    (["--d-model", "30", "--n-head", "4"], "--d-model 30 is not a multiple of --n-head 4"),
+    (["--steps", "0"], "must be a positive integer"),
+    (["--fraction", "1.5"], "--fraction 1.5 must be in (0, 1]"),
+    (["--lr", "muon=0.01"], "--lr names muon, which this run does not train"),
+    (["--lr", "sgd=0.1"], "unknown optimizer 'sgd'"),
+    (["--stop-at", "50", "--steps", "10"], "--stop-at 50 must be smaller than --steps 10"),
+    (["--warmup", "0.6", "--cooldown", "0.6"], "exceeds 1"),
+    (["--device", "tpu"], "--device 'tpu' is not a device"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_invalid_options_fail_with_one_line(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        code = _train(tmp_path, *args)
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_bad_data_fails_with_one_line(tmp_path, capsys):
+    assert _train(tmp_path, "--data", str(tmp_path / "missing.txt")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"orthoptim train: error: --data {tmp_path / 'missing.txt'}: no such file or folder"
+
+
+def test_resume_refuses_changes(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--steps", "2", "--out", str(out), "--no-plot") == 0
+    assert main(["train", "--resume", str(out), "--lr", "0.5"]) == 2
+    assert "drop --lr" in capsys.readouterr().err
+    assert _train(tmp_path, "--steps", "2", "--out", str(out)) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--optimizer", "--compare", "--data", "--cache-dir", "--steps", "--lr", "--clip", "--resume",
+                   "--stop-at", "--device", "--preset", "--positions", "--fraction", "--threads"):
+        assert option in text
+    assert "(default: 600)" in text  # defaults are spelled out
