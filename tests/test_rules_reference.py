@@ -91,7 +91,6 @@ def test_normalization_epsilon_is_used(algorithm):
         assert ref.rel_err(v_lib, with_eps.groups[0][1][0]["v"][0]) <= TOL_V
 
 
-@pytest.mark.xfail(strict=True, reason="NorMuon/Dion3 rescale Ô by ‖O‖_F/(‖Ô‖_F + ε), not to ‖O‖_F as DESIGN §1 says")
 @pytest.mark.parametrize("algorithm", ["normuon", "dion3"])
 def test_normalized_update_has_frobenius_norm_of_o(algorithm):
     """DESIGN §1: Ô is rescaled to ‖O‖_F. With the exact polar factor ‖O‖_F = √rank(U) = √min(k, n),
@@ -253,8 +252,6 @@ def test_weight_decay_applies_to_every_row_with_zero_gradient(algorithm):
                 **{"tol_x": ref.TOL_X, **tolerances(algorithm)})
 
 
-@pytest.mark.xfail(strict=True, reason="NorMuon/Dion3 compute the row normalization in fp32 and keep V in fp32 "
-                                       "for float64 parameters; DESIGN §4: state in param dtype")
 @pytest.mark.parametrize("algorithm", ["normuon", "dion3"])
 def test_normalized_rules_exact_in_float64(algorithm):
     params = make_params([WIDE], seed=14)

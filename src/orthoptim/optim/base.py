@@ -83,6 +83,11 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _row_state_dtype(p: Tensor) -> torch.dtype:
+    """The per-row variance is an EMA of small numbers: at least fp32, whatever the parameter's dtype."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
     return lambda *args: fn(*args)[0]
 
@@ -197,7 +202,7 @@ class OrthonormalOptimizer(Optimizer):
         view = self._view(p, group)
         state.setdefault("momentum", torch.zeros_like(p, memory_format=torch.contiguous_format))
         if algorithm in ("normuon", "dion3"):
-            # One second moment per row (neuron), kept in fp32: it is tiny and an EMA needs the bits.
+            # One second moment per row (neuron), kept in at least fp32: it is tiny and an EMA needs the bits.
             state.setdefault("variance", self._row_state(p, view))
         if algorithm == "dion":
             ranks = self._dion_ranks(view, group["rank_fraction"])
@@ -215,21 +220,23 @@ class OrthonormalOptimizer(Optimizer):
 
     @staticmethod
     def _row_state(p: Tensor, view: MatrixView) -> Tensor:
-        """Zeros [batch, rows] in fp32; for a DTensor parameter a DTensor sharded like its rows."""
+        """Zeros [batch, rows] in fp32 (fp64 for fp64 parameters); for a DTensor parameter a DTensor
+        sharded like its rows."""
+        dtype = _row_state_dtype(p)
         if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
-            return torch.zeros(view.batch, view.rows, device=p.device, dtype=torch.float32)
+            return torch.zeros(view.batch, view.rows, device=p.device, dtype=dtype)
         local = _local(p)
         # Shard(0) splits the rows of a matrix (dim 1 of [1, rows]) or the batch of a 3-D tensor (dim 0).
         batched = p.ndim == 3 and (view.batch, view.rows) == tuple(p.shape[:2])
         shape_local = (local.shape[0], view.rows) if batched else (1, local.shape[0])
         placement = Shard(0) if batched else Shard(1)
-        return DTensor.from_local(torch.zeros(shape_local, device=local.device, dtype=torch.float32),
+        return DTensor.from_local(torch.zeros(shape_local, device=local.device, dtype=dtype),
                                   p.device_mesh, (placement,), shape=torch.Size((view.batch, view.rows)),
                                   stride=(view.rows, 1))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
-        # is fp32 by design, so it is taken from the saved copy rather than from the rounded one.
+        # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         saved = state_dict["state"]
@@ -237,7 +244,7 @@ class OrthonormalOptimizer(Optimizer):
         for i, p in zip(ids, params):
             variance = saved.get(i, {}).get("variance")
             if variance is not None:
-                self.state[p]["variance"] = variance.to(device=p.device, dtype=torch.float32, copy=True)
+                self.state[p]["variance"] = variance.to(device=p.device, dtype=_row_state_dtype(p), copy=True)
 
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()

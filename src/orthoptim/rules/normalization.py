@@ -9,18 +9,20 @@ from torch import Tensor
 
 
 def normalize_rows(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
-    """Per-row second-moment normalization of a batch O [B, k, n], computed in fp32.
+    """Per-row second-moment normalization of a batch O [B, k, n], computed in fp32 (fp64 for fp64).
 
     V ← β₂ V + (1 − β₂)·mean_j(O²) (V is [B, k]); Ô = O / (√V + ε), rescaled per matrix so that
     ‖Ô‖_F = ‖O‖_F: rows that were large on average shrink, small ones grow, total size is kept.
     Returns (Ô, new V).
     """
-    o32 = o.float()
-    v_new = torch.lerp(o32.square().mean(-1), v.float(), beta2)  # β₂V + (1−β₂)·mean(O²)
-    o_hat = o32 / (v_new.sqrt() + eps).unsqueeze(-1)
-    norm_o = torch.linalg.vector_norm(o32, dim=(-2, -1), keepdim=True)
+    work = torch.promote_types(torch.promote_types(o.dtype, v.dtype), torch.float32)
+    o_w = o.to(work)
+    v_new = torch.lerp(o_w.square().mean(-1), v.to(work), beta2)  # β₂V + (1−β₂)·mean(O²)
+    o_hat = o_w / (v_new.sqrt() + eps).unsqueeze(-1)
+    norm_o = torch.linalg.vector_norm(o_w, dim=(-2, -1), keepdim=True)
     norm_hat = torch.linalg.vector_norm(o_hat, dim=(-2, -1), keepdim=True)
-    o_hat = o_hat * (norm_o / (norm_hat + eps))
+    # Exactly ‖O‖_F; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
+    o_hat = o_hat * (norm_o / norm_hat.clamp_min(torch.finfo(work).tiny))
     return o_hat, v_new.to(v.dtype)
 
 
