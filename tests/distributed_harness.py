@@ -31,11 +31,13 @@ def _worker(rank: int, world: int, port: int, outdir: str, fn: Callable, args: t
     try:
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(outdir, f"rank{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
+        os._exit(1)
+    # Every rank is past its last collective. Leave without interpreter teardown: background threads
+    # of gloo / distributed checkpointing can abort the process while C++ destructors run.
+    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
@@ -48,7 +50,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks hung > {timeout}s")
-        except mp.ProcessRaisedException as e:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
             errors = []
             for r in range(world_size):
                 path = os.path.join(outdir, f"rank{r}.pt")
