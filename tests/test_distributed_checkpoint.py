@@ -69,12 +69,10 @@ def _load_then_step(rank: int | None, world: int | None, name: str, path: str,
 
     model, opt = _build(name, world)
     model_sd, optim_sd = get_state_dict(model, opt)
-    state = {"model": model_sd, "optim": optim_sd}
+    # (get_state_dict hands out the live tensors, so dcp.load fills in place what it is given)
+    state = {"model": model_sd, "optim": optim_sd} if optimizer_state else {"model": model_sd}
     dcp.load(state, checkpoint_id=path)
-    if optimizer_state:
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        model.load_state_dict(state["model"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state.get("optim", optim_sd))
     _train(model, opt, 1, seed=7)
     return _full(model)
 
