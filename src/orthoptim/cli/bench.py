@@ -102,6 +102,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps per optimizer")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed steps per optimizer (median reported)")
     p.add_argument("--no-accuracy", action="store_true", help="skip the orthogonalization accuracy column")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--seed", type=int, default=0, help="seed of the parameters, gradients and accuracy matrices")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/bench-YYYYmmdd-HHMMSS)")
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
@@ -127,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give either --model or --d-model/--layers, not both")
     for flag, value, low in (("--d-model", args.d_model, 1), ("--layers", args.layers, 1),
                              ("--mlp-ratio", args.mlp_ratio, 1), ("--warmup", args.warmup, 0),
-                             ("--repeats", args.repeats, 1)):
+                             ("--repeats", args.repeats, 1), ("--threads", args.threads, 1)):
         if value is not None and value < low:
             raise UsageError(f"{flag} {value} must be >= {low}")
     if args.d_model is not None:
@@ -135,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         label = args.model or ("124m" if device.type == "cuda" else "d512")
         d_model, layers = PRESETS[label]
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = gpt_matrix_shapes(d_model, layers, args.mlp_ratio)
     out_dir = Path(args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"))

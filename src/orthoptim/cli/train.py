@@ -353,23 +353,24 @@ def write_results(out_dir: Path, header: dict, runs: dict[str, dict], started: f
 
 
 def summary_table(runs: dict[str, dict]) -> str:
-    ref = runs.get("muon")
-    head = ["optimizer", "lr", "val loss", "bits/byte", "Δ vs muon", "tokens/s", "opt ms/step", "opt share",
-            "opt vs muon", "state MB", "peak MB", "train time"]
+    """One row per optimizer; Δ loss and optimizer time relative to Muon (or the first optimizer)."""
+    ref_name = "muon" if "muon" in runs else next(iter(runs))
+    ref = runs[ref_name]
+    head = ["optimizer", "lr", "val loss", "bits/byte", f"Δ vs {ref_name}", "tokens/s", "opt ms/step", "opt share",
+            f"opt vs {ref_name}", "state MB", "peak MB", "train time"]
     rows = []
     for name, r in runs.items():
         bpb = f"{r['final_val_bpb']:.3f}" if r["final_val_bpb"] is not None else "-"
-        delta = f"{r['final_val_loss'] - ref['final_val_loss']:+.3f}" if ref else "-"
-        opt_vs = f"{r['opt_ms_median'] / ref['opt_ms_median']:.2f}x" if ref else "-"
         minutes, seconds = divmod(int(r["train_time_s"]), 60)
-        rows.append([name, f"{r['lr']:g}", f"{r['final_val_loss']:.4f}", bpb, delta,
+        rows.append([name, f"{r['lr']:g}", f"{r['final_val_loss']:.4f}", bpb,
+                     f"{r['final_val_loss'] - ref['final_val_loss']:+.4f}",
                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                      f"{r['opt_ms_median']:.1f}", f"{r['opt_share']:.1%}" if r["opt_share"] is not None else "-",
-                     opt_vs, f"{r['optimizer_state_mb']:.1f}", f"{r['peak_memory_mb']:.0f}",
-                     f"{minutes}:{seconds:02d}"])
+                     f"{r['opt_ms_median'] / ref['opt_ms_median']:.2f}x", f"{r['optimizer_state_mb']:.1f}",
+                     f"{r['peak_memory_mb']:.0f}", f"{minutes}:{seconds:02d}"])
     kinds = {r["peak_memory_kind"] for r in runs.values()}
-    notes = [f"val loss: nats/token at the last step; peak MB: {', '.join(sorted(kinds))}; "
-             "train time excludes evaluation; ms and share are medians over steps"]
+    notes = [f"val loss: nats/token at the last step; peak MB: {', '.join(sorted(kinds))}; train time excludes "
+             "evaluation; opt ms/step and opt share (of the whole step) are medians over steps"]
     if not all(r["finished"] for r in runs.values()):
         notes.append("some runs stopped early (--stop-at): numbers are at the step they reached")
     return format_table(head, rows) + "\n" + "\n".join(notes)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import platform
-import resource
 import shlex
 import statistics
 import sys
@@ -30,6 +29,11 @@ import orthoptim
 from orthoptim.train.data import Dataset
 from orthoptim.train.model import GPT, GPTConfig
 from orthoptim.train.results import save_torch
+
+try:
+    import resource  # POSIX only
+except ImportError:
+    resource = None  # type: ignore[assignment]
 
 OPTIMIZERS = ("dion3", "muon", "adamw", "dion", "dion2", "normuon")
 
@@ -179,6 +183,8 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     """CUDA: peak allocated by this run. CPU: the process's peak resident set (all runs so far)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20, "cuda max allocated (this run)"
+    if resource is None:
+        return float("nan"), "not measured on this platform"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / (2**20 if sys.platform == "darwin" else 2**10), "process peak RSS (cumulative)"
 
@@ -208,21 +214,23 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         group["initial_lr"] = group["lr"]  # the peak lr; the schedule scales it each step
     clipped = clip_parameters(optimizer)
     tokens_per_step = cfg.batch_size * cfg.context
-    step, history = 0, _new_history()
+    step, history, earlier_peak_mb = 0, _new_history(), 0.0
 
     ckpt_file = checkpoint_path(out_dir, name)
     if ckpt_file.exists():
         ckpt = torch.load(ckpt_file, map_location=device, weights_only=False)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        step, history = ckpt["step"], ckpt["history"]
+        step, history, earlier_peak_mb = ckpt["step"], ckpt["history"], ckpt.get("peak_memory_mb", 0.0)
 
     def save() -> None:
         save_torch(ckpt_file, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                               "history": history, "config": asdict(cfg), "optimizer_name": name})
+                               "history": history, "config": asdict(cfg), "optimizer_name": name,
+                               "peak_memory_mb": max(earlier_peak_mb, peak_memory_mb(device)[0])})
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    resumed_at = step
     while True:
         # validation: at step 0, every eval_every steps, and at the end
         if (step % cfg.eval_every == 0 or step == cfg.steps) and (not history["val_step"]
@@ -267,13 +275,15 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
                                   "tok_s": tokens_per_step * step / history["time_s"][-1]})
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.steps:
             save()
-    save()
+    if step > resumed_at or not ckpt_file.exists():
+        save()
 
     # Medians skip the first steps (allocation, warm-up of kernels); sums would let one stall dominate.
     skip = min(5, len(history["step_ms"]) // 2)
     step_ms = statistics.median(history["step_ms"][skip:]) if history["step_ms"] else float("nan")
     opt_ms = statistics.median(history["opt_ms"][skip:]) if history["opt_ms"] else float("nan")
     peak_mb, peak_kind = peak_memory_mb(device)
+    peak_mb = earlier_peak_mb if 0 < resumed_at == step else max(peak_mb, earlier_peak_mb)
     final = history["val_loss"][-1]
     return {
         "optimizer": name,

@@ -38,8 +38,11 @@ class Progress:
         self.last_draw, self.last_decile = now, decile
         filled = self.width * step // self.total
         bar = "#" * filled + "-" * (self.width - filled)
-        rate = (now - self.start) / max(step - self.first_step, 1)
-        eta = f"ETA {_clock(rate * (self.total - step))}" if not done else f"in {_clock(now - self.start)}"
+        rate = (now - self.start) / max(step - self.first_step - 1, 1)  # per step, from the second step on
+        if done:
+            eta = f"in {_clock(now - self.start)}"
+        else:
+            eta = f"ETA {_clock(rate * (self.total - step))}" if step - self.first_step > 1 else "ETA -:--"
         line = (f"{name:<8} [{bar}] {step:>{len(str(self.total))}}/{self.total}  loss {info['loss']:.3f}  "
                 f"val {info['val']:.3f}  {info['tok_s'] / 1e3:.1f}k tok/s  {eta}")
         if self.tty:

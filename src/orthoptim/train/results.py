@@ -136,7 +136,7 @@ def plot_bench(rows: list[dict], path: str | Path, title: str) -> None:
     ms = [r["median_ms"] for r in rows]
     bars = ax.bar(names, ms, color=["#888888" if n in ("adamw", "torch_muon") else "#3a7bd5" for n in names])
     for bar, r in zip(bars, rows):
-        label = f"{r['median_ms']:.3g} ms"
+        label = f"{r['median_ms']:,.0f} ms" if r["median_ms"] >= 100 else f"{r['median_ms']:.3g} ms"
         if r.get("vs_adamw") is not None:
             label += f"\n{r['vs_adamw']:.2g}x AdamW"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
