@@ -174,7 +174,7 @@ def _unsupported(rank: int, world: int) -> dict:
     messages = {}
     cases = {
         "shard1": (orthoptim.Muon, [Shard(1)], {}),
-        "dion": (orthoptim.Dion3, [Shard(0)], {"algorithm": "dion"}),
+        "shard1_dion3": (orthoptim.Dion3, [Shard(1)], {}),
         "heads": (orthoptim.Dion3, [Shard(0)], {"num_heads": 2}),
         "global": (orthoptim.Dion3, [Shard(0)], {"selection_scope": "global"}),
         "no_mesh": (orthoptim.Dion3, [Shard(0)], None),
@@ -193,8 +193,8 @@ def _unsupported(rank: int, world: int) -> dict:
 
 def test_unsupported_layouts_raise_naming_parameter_and_placements():
     messages = run_distributed(_unsupported, 2, timeout=60)[0]
-    assert set(messages) == {"shard1", "dion", "heads", "global", "no_mesh"}, messages
-    for name in ("shard1", "dion", "heads", "global"):
+    assert set(messages) == {"shard1", "shard1_dion3", "heads", "global", "no_mesh"}, messages
+    for name in ("shard1", "shard1_dion3", "heads", "global"):
         assert "blocks.0.attn.weight" in messages[name] and "Shard(dim=" in messages[name], messages[name]
     assert "Shard(dim=1)" in messages["shard1"]
     assert "distributed_mesh" in messages["no_mesh"]

@@ -7,7 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 
-def resolve_process_group(mesh: Any) -> dist.ProcessGroup | None:
+def resolve_process_group(mesh: Any, name: str = "distributed_mesh") -> dist.ProcessGroup | None:
     """``None`` → single process; a ``ProcessGroup`` → itself; a 1-D ``DeviceMesh`` → its group."""
     if mesh is None:
         return None
@@ -18,11 +18,11 @@ def resolve_process_group(mesh: Any) -> dist.ProcessGroup | None:
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(
-                f"distributed_mesh has {mesh.ndim} dimensions {mesh.mesh_dim_names}; pass a 1-D mesh "
+                f"{name} has {mesh.ndim} dimensions {mesh.mesh_dim_names}; pass a 1-D mesh "
                 "(for HSDP, the shard sub-mesh, e.g. mesh['shard'])"
             )
         return mesh.get_group()
     raise TypeError(
-        f"distributed_mesh must be None, a torch.distributed ProcessGroup or a 1-D DeviceMesh, "
+        f"{name} must be None, a torch.distributed ProcessGroup or a 1-D DeviceMesh, "
         f"got {type(mesh).__name__}"
     )

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
+from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import RowExchange, shard_rows
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
@@ -95,8 +96,11 @@ def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
 class OrthonormalOptimizer(Optimizer):
     """Base class: validates groups up front, creates state eagerly, megabatches same-shape matrices."""
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], distributed_mesh: Any = None) -> None:
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], distributed_mesh: Any = None,
+                 replicate_mesh: Any = None) -> None:
         self._process_group = resolve_process_group(distributed_mesh)
+        # Data parallel without DDP (Dion's compressed sync): this optimizer averages the gradients.
+        self._replicate_group = resolve_process_group(replicate_mesh, "replicate_mesh")
         self.comm_stats: CommStats | None = None  # opt-in: set to a CommStats() to count collectives
         full = {**COMMON_DEFAULTS, **defaults}
         validate_group(full, "the optimizer's defaults")
@@ -160,8 +164,6 @@ class OrthonormalOptimizer(Optimizer):
             raise NotImplementedError(f"{where}: matrix rules support Shard(0) (FSDP2) or Replicate only")
         if p.ndim == 3 and not group["flatten"]:
             return  # whole matrices of a batch live on each rank
-        if algorithm == "dion":
-            raise NotImplementedError(f"{where}: Dion with sharded parameters is not supported in this version")
         if group["num_heads"] is not None or group["split_sizes"] is not None:
             raise NotImplementedError(
                 f"{where}: num_heads / split_sizes with row-sharded parameters are not supported in this version")
@@ -257,6 +259,8 @@ class OrthonormalOptimizer(Optimizer):
                 loss = closure()
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         work = self._drop_nonfinite(work)
+        if self._replicate_group is not None:
+            self._average_gradients(work)
         for group, params in work:
             if not params:
                 continue
@@ -267,6 +271,19 @@ class OrthonormalOptimizer(Optimizer):
             else:
                 self._scalar_step(group, params)
         return loss
+
+    def _average_gradients(self, work: list[tuple[dict, list[Tensor]]]) -> None:
+        """Average over ``replicate_mesh`` every gradient that Dion's low-rank sync does not cover,
+        one all-reduce per dtype (the Dion matrices exchange only P and R, in their rule)."""
+        grads = [_local(p.grad) for group, ps in work if group["algorithm"] != "dion" for p in ps]
+        world = dist.get_world_size(self._replicate_group)
+        for batch in megabatches(grads, key=lambda g: (g.dtype, g.device)):
+            flat = torch.cat([g.reshape(-1) for g in batch])
+            dist.all_reduce(flat, group=self._replicate_group)
+            if self.comm_stats is not None:
+                self.comm_stats.record("all_reduce", flat.numel() * flat.element_size())
+            flat /= world
+            torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
 
     def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         params = [p for _, ps in work for p in ps]
@@ -287,13 +304,15 @@ class OrthonormalOptimizer(Optimizer):
         if nonempty:
             maxima = torch._foreach_norm([grads[i] for i in nonempty], ord=math.inf)
             finite[nonempty] = torch.isfinite(torch.stack([m.float().to(finite.device) for m in maxima]))
-        if self._process_group is not None:
-            # Sharded gradients differ per rank: agree on the verdict, or ranks would diverge (and hang).
-            bad_anywhere = (~finite).to(torch.int32)
-            dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=self._process_group)
-            if self.comm_stats is not None:
-                self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
-            finite = bad_anywhere == 0
+        # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
+        # diverge (and hang in the next collective).
+        for group in (self._process_group, self._replicate_group):
+            if group is not None:
+                bad_anywhere = (~finite).to(torch.int32)
+                dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=group)
+                if self.comm_stats is not None:
+                    self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
+                finite = bad_anywhere == 0
         if bool(finite.all()):
             return work
         bad = {p for p, ok in zip(params, finite.tolist()) if not ok}
@@ -350,8 +369,13 @@ class OrthonormalOptimizer(Optimizer):
                         f"parameter {self.param_name(p)}: local shard has {x.shape[0]} rows but Shard(0) of "
                         f"{full_rows} rows gives {expected}; only torch.chunk-style (FSDP2) sharding is supported"
                     )
-                extra = _local(state["variance"]).view(-1) if algorithm in ("normuon", "dion3") else None
-                matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, 0,
+                extra, rank = None, 0
+                if algorithm in ("normuon", "dion3"):
+                    extra = _local(state["variance"]).view(-1)
+                elif algorithm == "dion":
+                    rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
+                    extra = state["Q"][0, :, :rank]
+                matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
                                         layout, (full_rows, cols)))
                 continue
             view = self._view(p, group) if layout == "replicated" else matrix_view(
@@ -410,9 +434,14 @@ class OrthonormalOptimizer(Optimizer):
                                    beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                    finish=finish, **common)
             else:
-                factors = partial(rules.low_rank_factors, qr_method=group["qr_method"])
-                if layout == "replicated":
-                    factors = self._share(factors)
+                if layout == "row_sharded" or self._replicate_group is not None:
+                    factors = partial(sharded_low_rank_factors, full_rows=rows, stats=self.comm_stats,
+                                      outer=self._process_group if layout == "row_sharded" else None,
+                                      replicate=self._replicate_group)
+                else:
+                    factors = partial(rules.low_rank_factors, qr_method=group["qr_method"])
+                    if layout == "replicated":
+                        factors = self._share(factors)
                 rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors, **common)
 
     def _scalar_step(self, group: dict[str, Any], params: list[Tensor]) -> None:

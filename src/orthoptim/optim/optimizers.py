@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from orthoptim.distributed import resolve_process_group
 from orthoptim.optim.base import OrthonormalOptimizer
 
 Params = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
@@ -123,7 +124,13 @@ class NorMuon(OrthonormalOptimizer):
 
 class Dion(OrthonormalOptimizer):
     """Dion: rank-r orthonormal updates (r = ceil(rank_fraction·min(m, n))) by one step of power
-    iteration per optimizer step, with error feedback of what the low-rank update leaves out."""
+    iteration per optimizer step, with error feedback of what the low-rank update leaves out.
+
+    ``outer_shard_mesh``: the FSDP2 mesh of row-sharded (``Shard(0)``) parameters; only r×r and
+    n×r factors are all-reduced. ``replicate_mesh``: data parallelism without DDP — do not
+    all-reduce gradients yourself: Dion matrices all-reduce ``B Q`` and ``Bᵀ P`` (compressed sync,
+    the same result as averaging gradients first) and this optimizer averages every other gradient.
+    """
 
     def __init__(
         self,
@@ -142,14 +149,14 @@ class Dion(OrthonormalOptimizer):
         outer_shard_mesh: Any = None,
         inner_shard_mesh: Any = None,
     ) -> None:
-        for name, mesh in (("replicate_mesh", replicate_mesh), ("outer_shard_mesh", outer_shard_mesh),
-                           ("inner_shard_mesh", inner_shard_mesh)):
-            if mesh is not None:
-                raise NotImplementedError(
-                    f"{name}: this version of orthoptim runs on a single process only; pass {name}=None"
-                )
+        resolve_process_group(outer_shard_mesh, "outer_shard_mesh")  # a clear error for a wrong type
+        if inner_shard_mesh is not None:
+            raise NotImplementedError(
+                "inner_shard_mesh: tensor-parallel sharding is not supported in this version; "
+                "pass inner_shard_mesh=None (replicate_mesh and outer_shard_mesh are supported)"
+            )
         super().__init__(params, dict(
             algorithm="dion", lr=lr, rank_fraction=rank_fraction, mu=mu, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, qr_method=qr_method,
             flatten=flatten, nonfinite=nonfinite,
-        ))
+        ), distributed_mesh=outer_shard_mesh, replicate_mesh=replicate_mesh)

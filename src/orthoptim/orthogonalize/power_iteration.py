@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 # Cholesky-QR loses orthogonality like κ(P)²·u (u = unit round-off). Above this bound on κ²·u we
 # no longer trust even the second Cholesky-QR pass and use Householder QR instead.
-_CHOLESKY_QR_MAX_ERROR = 1e-2
+CHOLESKY_QR_MAX_ERROR = 1e-2
 
 
-def _cholesky_qr(p: Tensor) -> tuple[Tensor, Tensor]:
-    """One Cholesky-QR pass: P R⁻¹ with Rᵀ R = Pᵀ P. Returns (Q, ok) where ok flags trusted batches."""
+def cholesky_qr_pass(p: Tensor, reduce_gram: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """One Cholesky-QR pass: P L⁻ᵀ with L Lᵀ = Pᵀ P. Returns (Q, ok) where ok flags trusted matrices.
+
+    ``reduce_gram`` turns the local Pᵀ P into the whole one when P's rows are spread over ranks.
+    """
     gram = torch.bmm(p.mT, p)
+    if reduce_gram is not None:
+        gram = reduce_gram(gram)
     L, info = torch.linalg.cholesky_ex(gram)
     diag = L.diagonal(dim1=-2, dim2=-1)
     # The Cholesky diagonal bounds the spread of singular values; its ratio squared estimates κ².
     cond_sq = (diag.amax(-1) / diag.amin(-1).clamp_min(torch.finfo(p.dtype).tiny)) ** 2
-    ok = (info == 0) & torch.isfinite(diag).all(-1) & (cond_sq * torch.finfo(p.dtype).eps < _CHOLESKY_QR_MAX_ERROR)
+    ok = (info == 0) & torch.isfinite(diag).all(-1) & (cond_sq * torch.finfo(p.dtype).eps < CHOLESKY_QR_MAX_ERROR)
     q = torch.linalg.solve_triangular(L.mT, p, upper=True, left=False)
     return q, ok
 
@@ -34,8 +41,8 @@ def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr") -> Tensor:
     work = p if p.dtype in (torch.float32, torch.float64) else p.float()
     if method == "qr":
         return torch.linalg.qr(work).Q.to(p.dtype)
-    q, ok = _cholesky_qr(work)
-    q2, ok2 = _cholesky_qr(torch.nan_to_num(q))
+    q, ok = cholesky_qr_pass(work)
+    q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q))
     ok = ok & ok2 & torch.isfinite(q2).flatten(1).all(-1)
     if not bool(ok.all()):
         bad = (~ok).nonzero().flatten()

@@ -1,0 +1,78 @@
+"""Dion's power-iteration step when B is split over ranks: only low-rank factors travel.
+
+- ``outer`` (FSDP, rows of B sharded): P = B Q has the same row split as B. Its columns are made
+  orthonormal by Cholesky-QR on the all-reduced r×r Gram matrix PᵀP (twice, CholeskyQR2); R = BᵀP
+  is a sum over row shards, one all-reduce of n×r.
+- ``replicate`` (data parallel without gradient sync): every rank holds its own B_i = M_i + G_i.
+  Averaging B_i Q and B_iᵀ P over ranks gives exactly the factors of the averaged B, because both
+  are linear in B and each rank's error feedback M_i ← B_i − (1−μ) P Rᵀ keeps the mean momentum
+  equal to the synchronized one (Dion's compressed data-parallel sync).
+Every decision (the Householder fallback) is taken from all-reduced values, so ranks agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from orthoptim.distributed.comm import CommStats
+from orthoptim.orthogonalize.power_iteration import cholesky_qr_pass
+
+
+def _all_reduce(t: Tensor, group: dist.ProcessGroup | None, op: str, stats: CommStats | None) -> Tensor:
+    if group is None:
+        return t
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    if op == "mean":
+        t /= dist.get_world_size(group)
+    if stats is not None:
+        stats.record("all_reduce", t.numel() * t.element_size())
+    return t
+
+
+def _householder_rows(p: Tensor, outer: dist.ProcessGroup | None, full_rows: int,
+                      stats: CommStats | None) -> Tensor:
+    """Fallback: gather whole P, Householder QR, keep this rank's rows (rare: ill-conditioned P)."""
+    if outer is None:
+        return torch.linalg.qr(p).Q
+    world, rank = dist.get_world_size(outer), dist.get_rank(outer)
+    chunk = -(-full_rows // world)
+    padded = p.new_zeros((p.shape[0], chunk, p.shape[2]))
+    padded[:, : p.shape[1]] = p
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded, group=outer)
+    if stats is not None:
+        stats.record("all_gather", padded.numel() * padded.element_size())
+    sizes = [max(0, min(chunk, full_rows - r * chunk)) for r in range(world)]
+    whole = torch.cat([g[:, :s] for g, s in zip(gathered, sizes)], dim=1)
+    q = torch.linalg.qr(whole).Q
+    return q[:, rank * chunk : rank * chunk + p.shape[1]]
+
+
+def sharded_low_rank_factors(
+    momenta: list[Tensor],
+    right_factors: list[Tensor],
+    *,
+    full_rows: int,
+    outer: dist.ProcessGroup | None,
+    replicate: dist.ProcessGroup | None,
+    stats: CommStats | None,
+) -> Tensor:
+    """[P_local; R] stacked along rows, [B, rows_local + n, r]: the distributed ``low_rank_factors``."""
+    work = momenta[0].dtype if momenta[0].dtype in (torch.float32, torch.float64) else torch.float32
+    p = torch.stack([b.to(work) @ q.to(work) for b, q in zip(momenta, right_factors)])
+    p = _all_reduce(p, replicate, "mean", stats)
+    def reduce_gram(gram: Tensor) -> Tensor:
+        return _all_reduce(gram, outer, "sum", stats)
+
+    q1, ok1 = cholesky_qr_pass(p, reduce_gram)
+    q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q1), reduce_gram)
+    if not bool((ok1 & ok2).all()):
+        bad = (~(ok1 & ok2)).nonzero().flatten()
+        q2 = q2.clone()
+        q2[bad] = _householder_rows(p[bad], outer, full_rows, stats)
+    r = torch.stack([b.to(work).mT @ pi for b, pi in zip(momenta, q2)])
+    r = _all_reduce(r, outer, "sum", stats)
+    r = _all_reduce(r, replicate, "mean", stats)
+    return torch.cat([q2, r], dim=-2).to(momenta[0].dtype)
