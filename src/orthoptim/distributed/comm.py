@@ -9,6 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# Newer torch renamed all_gather_into_tensor (same arguments); use whichever this torch has.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 @dataclass
 class CommStats:
@@ -38,7 +41,7 @@ def all_gather_batch(local: Tensor, group: dist.ProcessGroup, stats: CommStats |
     world = dist.get_world_size(group)
     local = local.contiguous()
     out = torch.empty((world * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(out, local, group=group)
+    _all_gather_single(out, local, group=group)
     if stats is not None:
         stats.record("all_gather", local.numel() * local.element_size())
     return out
