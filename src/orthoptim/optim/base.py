@@ -302,8 +302,10 @@ class OrthonormalOptimizer(Optimizer):
         finite = torch.ones(len(grads), dtype=torch.bool, device=grads[0].device)
         nonempty = [i for i, g in enumerate(grads) if g.numel()]  # empty shards: nothing to check
         if nonempty:
-            maxima = torch._foreach_norm([grads[i] for i in nonempty], ord=math.inf)
-            finite[nonempty] = torch.isfinite(torch.stack([m.float().to(finite.device) for m in maxima]))
+            # min and max are finite iff every entry is (NaN propagates); on CPU this is ~10x faster than
+            # an inf-norm, and unlike a 2-norm it cannot overflow on large finite gradients.
+            extremes = torch.stack([torch.stack(torch.aminmax(grads[i])).float().to(finite.device) for i in nonempty])
+            finite[nonempty] = torch.isfinite(extremes).all(-1)
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
         # diverge (and hang in the next collective).
         for group in (self._process_group, self._replicate_group):

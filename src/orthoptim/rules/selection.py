@@ -15,7 +15,8 @@ def num_selected(size: int, fraction: float) -> int:
 
 def top_slices(momenta: list[Tensor], k: int, dim: int) -> Tensor:
     """Indices [B, k] of the k slices along ``dim`` (0: rows, 1: columns) with largest L1 norm."""
-    norms = torch.stack([torch.linalg.vector_norm(m, ord=1, dim=1 - dim) for m in momenta])
+    # abs().sum() rather than vector_norm(ord=1): same numbers, several times faster on CPU.
+    norms = torch.stack([m.abs().sum(dim=1 - dim) for m in momenta])
     return torch.topk(norms, k, dim=-1, sorted=False).indices
 
 
