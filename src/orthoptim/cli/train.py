@@ -232,7 +232,7 @@ def resolve_config(given: dict[str, Any]) -> TrainConfig:
         values["lr"] = dict.fromkeys(values["optimizers"], lr)
     cfg = TrainConfig.from_dict(values)
     check_config(cfg)
-    return cfg
+    return cfg.resolved()
 
 
 def check_config(cfg: TrainConfig) -> None:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ OPTIMIZERS = ("dion3", "muon", "adamw", "dion", "dion2", "normuon")
 DEFAULT_LR = {
     "dion3": 0.02,
     "muon": 0.02,
-    "adamw": 0.003,
+    "adamw": 0.004,
     "dion": 0.02,
     "dion2": 0.02,
     "normuon": 0.02,
@@ -95,6 +95,15 @@ class TrainConfig:
     def lr_for(self, name: str) -> float:
         return self.lr.get(name, DEFAULT_LR[name])
 
+    def scalar_lr_value(self) -> float:
+        return self.scalar_lr if self.scalar_lr is not None else self.lr_for("adamw")
+
+    def resolved(self) -> TrainConfig:
+        """A copy with every learning rate written out, so that neither config.json nor the reproduce
+        command depends on DEFAULT_LR (which a later version may change)."""
+        scalar = self.scalar_lr_value() if any(n != "adamw" for n in self.optimizers) else self.scalar_lr
+        return replace(self, lr={n: self.lr_for(n) for n in self.optimizers}, scalar_lr=scalar)
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in fields(cls)}
@@ -118,8 +127,7 @@ def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig) -> torch.opti
     embeddings, the head, norms get AdamW (no weight decay). The AdamW baseline is
     torch.optim.AdamW over the very same groups (weight decay on the matrices only)."""
     lr = cfg.lr_for(name)
-    scalar_lr = cfg.scalar_lr if cfg.scalar_lr is not None else cfg.lr_for("adamw")
-    groups = orthoptim.param_groups(model, scalar_lr=scalar_lr)
+    groups = orthoptim.param_groups(model, scalar_lr=cfg.scalar_lr_value())
     for g in groups:
         if g.get("algorithm") == "adamw":
             g["weight_decay"] = 0.0
@@ -290,6 +298,7 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         "finished": step == cfg.steps,
         "steps": step,
         "lr": cfg.lr_for(name),
+        "scalar_lr": None if name == "adamw" else cfg.scalar_lr_value(),
         "final_val_loss": final,
         "final_val_bpb": final / math.log(2) / data.bytes_per_token if data.bytes_per_token else None,
         "final_train_loss_ema": _last_ema(history["train_loss"]),
@@ -332,10 +341,12 @@ def reproduce_command(cfg: TrainConfig, out: str) -> str:
         parts += ["--compare", ",".join(cfg.optimizers)]
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if f.name == "optimizers" or value is None:
+        if f.name == "optimizers":
             continue
-        if f.name == "lr":  # every optimizer's resolved lr, so later changes of DEFAULT_LR do not matter
+        if f.name == "lr":
             value = ",".join(f"{n}={cfg.lr_for(n):g}" for n in cfg.optimizers)
+        if value is None:
+            continue
         parts += [f"--{f.name.replace('_', '-')}", str(value)]
     parts += ["--out", out]
     return shlex.join(parts)
