@@ -190,23 +190,28 @@ class OrthonormalOptimizer(Optimizer):
         return [max(1, math.ceil(rank_fraction * min(r, c) - 1e-9)) for r, c in view.block_shapes()]
 
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
-        """Create every state tensor the group's algorithm reads (idempotent, deterministic)."""
+        """Create every state tensor the group's algorithm reads (idempotent, deterministic).
+
+        Called for each parameter every step, so it allocates only what is missing.
+        """
         state = self.state[p]
         algorithm = group["algorithm"]
+        needed: dict[str, Callable[[], Tensor]] = {}
         if algorithm == "adamw":
-            state.setdefault("step", torch.tensor(0.0))
-            state.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
-            state.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
-            return
-        if algorithm == "lion":
-            state.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
-            return
-        view = self._view(p, group)
-        state.setdefault("momentum", torch.zeros_like(p, memory_format=torch.contiguous_format))
-        if algorithm in ("normuon", "dion3"):
-            # One second moment per row (neuron), kept in at least fp32: it is tiny and an EMA needs the bits.
-            state.setdefault("variance", self._row_state(p, view))
+            needed = {"step": lambda: torch.tensor(0.0), "exp_avg": lambda: torch.zeros_like(p),
+                      "exp_avg_sq": lambda: torch.zeros_like(p)}
+        elif algorithm == "lion":
+            needed = {"exp_avg": lambda: torch.zeros_like(p)}
+        else:
+            needed = {"momentum": lambda: torch.zeros_like(p, memory_format=torch.contiguous_format)}
+            if algorithm in ("normuon", "dion3"):
+                # One second moment per row (neuron), in at least fp32: it is tiny and an EMA needs the bits.
+                needed["variance"] = lambda: self._row_state(p, self._view(p, group))
+        for key, make in needed.items():
+            if key not in state:
+                state[key] = make()
         if algorithm == "dion":
+            view = self._view(p, group)
             ranks = self._dion_ranks(view, group["rank_fraction"])
             shape = (view.num_matrices, view.cols, max(ranks))
             if "Q" in state and tuple(state["Q"].shape) != shape:
