@@ -122,3 +122,27 @@ def test_help_explains_every_option(capsys):
                    "--stop-at", "--device", "--preset", "--positions", "--fraction", "--threads"):
         assert option in text
     assert "(default: 600)" in text  # defaults are spelled out
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_match_one(tmp_path):
+    """Under torchrun each rank takes its share of the same global batch: same losses as one process."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plot", "--steps", "3",
+            "--batch-size", "4", "--compare", "dion3,adamw"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           "2", "-m", "orthoptim.cli", *args, "--out", str(tmp_path / "two")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    one = json.loads((tmp_path / "one" / "results.json").read_text())["runs"]
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert two["environment"]["processes"] == 2
+    for name in ("dion3", "adamw"):
+        a, b = one[name]["history"], two["runs"][name]["history"]
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)

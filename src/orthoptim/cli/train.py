@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, fields
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from orthoptim.cli import CommandError, HelpFormatter, UsageError
 from orthoptim.train import data as datamod
@@ -272,8 +274,10 @@ def load_dataset(cfg: TrainConfig) -> datamod.Dataset:
         raise CommandError(str(e)) from None
     except OSError as e:
         raise CommandError(f"reading data: {e}") from None
-    if cfg.vocab_size is not None and cfg.vocab_size < dataset.vocab_size:
-        raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the data's {dataset.vocab_size}")
+    if cfg.vocab_size is not None:
+        if cfg.vocab_size < dataset.vocab_size:
+            raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the data's {dataset.vocab_size}")
+        dataset.vocab_size = cfg.vocab_size
     return dataset
 
 
@@ -311,12 +315,38 @@ def run(args: argparse.Namespace) -> int:
 
     if "threads" in given:
         torch.set_num_threads(given["threads"])
+    rank = start_distributed(cfg)
+    try:
+        compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def start_distributed(cfg: TrainConfig) -> int:
+    """Under torchrun (WORLD_SIZE > 1): join the process group; returns this process's rank."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return 0
+    if cfg.batch_size % world_size:
+        raise UsageError(f"--batch-size {cfg.batch_size} is not a multiple of the {world_size} processes")
+    cuda = torch.device(cfg.device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    return dist.get_rank()
+
+
+def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool, plot: bool, rank: int) -> None:
+    """Train each optimizer of ``cfg`` in turn; rank 0 writes the results after each one."""
     dataset = load_dataset(cfg)
     command = reproduce_command(cfg, str(out_dir))
     header = {"command": command, "config": asdict(cfg), "data": dataset.description,
-              "environment": environment(cfg.device)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "config.json", header)
+              "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1"))}}
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json(out_dir / "config.json", header)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"data: {dataset.description}")
     say(f"output: {out_dir}   reproduce: {command}")
@@ -326,25 +356,25 @@ def run(args: argparse.Namespace) -> int:
     for name in cfg.optimizers:
         progress = Progress(cfg.steps, enabled=not quiet)
         try:
-            record = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress)
+            runs[name] = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress)
         except FloatingPointError as e:
             raise CommandError(str(e)) from None
-        runs[name] = record
-        write_results(out_dir, header, runs, started)
+        if rank == 0:
+            write_results(out_dir, header, runs, started)
+    if rank != 0:
+        return
     wall = time.perf_counter() - started
-    write_results(out_dir, header, runs, started)
     table = summary_table(runs)
-    finished = all(r["finished"] for r in runs.values())
     if plot:
         title = f"orthoptim train: {dataset.description.split(':')[0]}, {next(iter(runs.values()))['parameters']:,} " \
                 f"parameters, {cfg.steps} steps of {cfg.batch_size}x{cfg.context} tokens"
         plot_losses(runs, out_dir / "loss.png", title)
     write_text(out_dir / "summary.txt", table + "\n")
     print(table)
+    finished = all(r["finished"] for r in runs.values())
     note = "" if finished else f" (stopped at step {stop_at}; continue with: orthoptim train --resume {out_dir})"
     print(f"\n{len(runs)} run(s) in {wall / 60:.1f} min{note}. Results: {out_dir / 'results.json'}"
           + (f", plot: {out_dir / 'loss.png'}" if plot else ""))
-    return 0
 
 
 def write_results(out_dir: Path, header: dict, runs: dict[str, dict], started: float) -> None:

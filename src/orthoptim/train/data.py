@@ -58,13 +58,16 @@ class Dataset:
         return sum(len(t) for t in (self.train if split == "train" else self.val))
 
     def batch(self, split: str, batch_size: int, context: int, seed: int, step: int,
-              device: str | torch.device = "cpu") -> tuple[Tensor, Tensor]:
-        """Inputs and targets [batch_size, context]: random windows chosen by (seed, split, step) only.
-        A window never crosses from one shard into the next."""
+              device: str | torch.device = "cpu", rank: int = 0, world: int = 1) -> tuple[Tensor, Tensor]:
+        """Inputs and targets [batch_size / world, context]: this rank's share of ``batch_size`` random
+        windows chosen by (seed, split, step) only, so the global batch does not depend on the number
+        of processes. A window never crosses from one shard into the next."""
         pieces = [t for t in (self.train if split == "train" else self.val) if len(t) > context]
         starts_per_piece = [len(t) - context for t in pieces]
         gen = torch.Generator().manual_seed(_mix(seed, split, step))
         picks = torch.randint(0, sum(starts_per_piece), (batch_size,), generator=gen).tolist()
+        share = batch_size // world
+        picks = picks[rank * share:(rank + 1) * share]
         rows = []
         for pick in picks:
             i = 0

@@ -10,7 +10,9 @@ parameters only, see ``clip_parameters``) → optimizer step → record. Validat
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
 import platform
 import shlex
 import statistics
@@ -23,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import orthoptim
 from orthoptim.train.data import Dataset
@@ -122,10 +126,12 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 # ------------------------------------------------------------------------------------ optimizer
-def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig,
+                    process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
     """``name``'s optimizer over ``orthoptim.param_groups(model)``: matrices get the named rule;
     embeddings, the head, norms get AdamW (no weight decay). The AdamW baseline is
-    torch.optim.AdamW over the very same groups (weight decay on the matrices only)."""
+    torch.optim.AdamW over the very same groups (weight decay on the matrices only).
+    Under torchrun, ``process_group`` lets each rank orthogonalize a share of the matrices."""
     lr = cfg.lr_for(name)
     groups = orthoptim.param_groups(model, scalar_lr=cfg.scalar_lr_value())
     for g in groups:
@@ -141,6 +147,8 @@ def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig) -> torch.opti
         options["rank_fraction"] = cfg.rank_fraction
     classes = {"dion3": orthoptim.Dion3, "dion2": orthoptim.Dion2, "dion": orthoptim.Dion,
                "muon": orthoptim.Muon, "normuon": orthoptim.NorMuon}
+    if process_group is not None and "distributed_mesh" in inspect.signature(classes[name]).parameters:
+        options["distributed_mesh"] = process_group  # otherwise every rank computes the whole (identical) update
     return classes[name](groups, **options)
 
 
@@ -163,6 +171,21 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # ------------------------------------------------------------------------------------ helpers
+def world() -> tuple[int, int]:
+    """(rank, world size): (0, 1) unless started by torchrun with more than one process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def run_device(cfg: TrainConfig) -> torch.device:
+    """cfg.device; under torchrun, ``cuda`` means this process's GPU (LOCAL_RANK)."""
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and device.index is None and world()[1] > 1:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -214,10 +237,11 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
     Returns the run's record (summary numbers and the full history). With ``stop_at``, stops after
     that step (checkpoint written) and returns the record with ``finished`` False.
     """
-    device = torch.device(cfg.device)
+    device = run_device(cfg)
+    rank, world_size = world()
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config(data.vocab_size)).to(device)
-    optimizer = build_optimizer(name, model, cfg)
+    optimizer = build_optimizer(name, model, cfg, dist.group.WORLD if world_size > 1 else None)
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]  # the peak lr; the schedule scales it each step
     clipped = clip_parameters(optimizer)
@@ -231,10 +255,19 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         optimizer.load_state_dict(ckpt["optimizer"])
         step, history, earlier_peak_mb = ckpt["step"], ckpt["history"], ckpt.get("peak_memory_mb", 0.0)
 
+    # Under torchrun: DDP averages the gradients of the ranks' shares of each batch in backward().
+    net = model if world_size == 1 else DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None)
+
     def save() -> None:
+        if rank != 0:
+            dist.barrier()  # wait until rank 0 has written it
+            return
         save_torch(ckpt_file, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                                "history": history, "config": asdict(cfg), "optimizer_name": name,
                                "peak_memory_mb": max(earlier_peak_mb, peak_memory_mb(device)[0])})
+        if world_size > 1:
+            dist.barrier()
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -254,9 +287,9 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
             group["lr"] = group["initial_lr"] * factor
 
         t0 = time.perf_counter()
-        x, y = data.batch("train", cfg.batch_size, cfg.context, cfg.seed, step, device)
+        x, y = data.batch("train", cfg.batch_size, cfg.context, cfg.seed, step, device, rank, world_size)
         with _autocast(cfg, device):
-            _, loss = model(x, y)
+            _, loss = net(x, y)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.clip) if cfg.clip > 0 else torch.zeros(())
         _sync(device)
@@ -266,6 +299,10 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         t2 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
 
+        if world_size > 1:  # log the loss of the whole batch, not of this rank's share
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)  # sum (gloo has no average)
+            loss /= world_size
         loss_value = loss.item()
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"{name}: training loss became {loss_value} at step {step}; "
