@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from orthoptim.distributed.comm import CommStats
+from orthoptim.distributed.comm import CommStats, all_gather_batch
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
@@ -50,16 +50,22 @@ def _width(t: Tensor, dtype: torch.dtype) -> int:
 class RowExchange:
     """Two all-to-alls around a batch function for one megabatch of row-sharded matrices.
 
-    ``counts[s]`` is the number of rows rank s contributes to each matrix of the batch.
+    ``counts[s]`` is the number of rows rank s contributes to each matrix of the batch: one int for
+    all matrices, or a list with one entry per matrix (exact global selection). Every matrix must
+    total the same number of rows K, so the owner runs ``fn`` on one [b_owned, K, ...] batch.
     """
 
-    def __init__(self, group: dist.ProcessGroup, counts: Sequence[int], batch: int, stats: CommStats | None):
+    def __init__(self, group: dist.ProcessGroup, counts: Sequence[int | Sequence[int]], batch: int,
+                 stats: CommStats | None):
         self.group, self.stats, self.batch = group, stats, batch
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.counts = list(counts)
+        self.counts = [[int(c)] * batch if isinstance(c, int) else [int(x) for x in c] for c in counts]
+        totals = {sum(self.counts[s][j] for s in range(self.world)) for j in range(batch)}
+        if len(totals) > 1:
+            raise ValueError(f"matrices of one batch must total the same rows, got {sorted(totals)}")
         chunk = -(-batch // self.world)
-        self.owned = [(min(d * chunk, batch), min((d + 1) * chunk, batch)) for d in range(self.world)]
+        self.owned = [range(min(d * chunk, batch), min((d + 1) * chunk, batch)) for d in range(self.world)]
 
     def _all_to_all(self, send: Tensor, send_sizes: list[int], recv_sizes: list[int]) -> Tensor:
         recv = send.new_empty(sum(recv_sizes))
@@ -69,29 +75,78 @@ class RowExchange:
         return recv
 
     def run(self, fn: Callable[..., Tensor | tuple[Tensor, ...]], *local: Tensor) -> tuple[Tensor, ...]:
-        """``local``: this rank's rows, each [B, k_me] or [B, k_me, w]. ``fn`` gets the whole-matrix
-        tensors [b_owned, K, ...] and returns tensors of the same shapes and dtypes."""
+        """``local``: this rank's rows, each [B, k_me] or [B, k_me, w] (padded beyond this rank's count
+        for a matrix). ``fn`` gets whole-matrix tensors [b_owned, K, ...] and returns tensors of the
+        same shapes and dtypes; the result comes back shaped like ``local`` (padding left as zeros)."""
         dtype = local[0].dtype
         widths = [_width(t, dtype) for t in local]
         width = sum(widths)
-        k_me = self.counts[self.rank]
+        mine_rows = self.counts[self.rank]
         packed = torch.cat([_as_columns(t, dtype) for t in local], dim=-1)  # [B, k_me, width]
-        send_sizes = [(hi - lo) * k_me * width for lo, hi in self.owned]
-        lo, hi = self.owned[self.rank]
-        mine = hi - lo
-        recv_sizes = [mine * c * width for c in self.counts]
-        recv = self._all_to_all(packed.reshape(-1), send_sizes, recv_sizes)
+        send_parts = [packed[j, : mine_rows[j]].reshape(-1) for d in range(self.world) for j in self.owned[d]]
+        send_sizes = [sum(mine_rows[j] for j in self.owned[d]) * width for d in range(self.world)]
+        mine = self.owned[self.rank]
+        recv_sizes = [sum(self.counts[s][j] for j in mine) * width for s in range(self.world)]
+        recv = self._all_to_all(_cat(send_parts, packed), send_sizes, recv_sizes)
 
-        pieces = [p.view(mine, c, width) for p, c in zip(recv.split(recv_sizes), self.counts)]
-        whole = torch.cat(pieces, dim=1)  # [mine, K, width]
-        if mine:
+        # Owner: matrix j's rows arrive from every source in rank order.
+        per_source = [chunk.split([self.counts[s][j] * width for j in mine])
+                      for s, chunk in enumerate(recv.split(recv_sizes))]
+        rows_total = sum(self.counts[s][mine[0]] for s in range(self.world)) if len(mine) else 0
+        whole = packed.new_empty((len(mine), rows_total, width))
+        for jj, j in enumerate(mine):
+            whole[jj] = torch.cat([per_source[s][jj].view(self.counts[s][j], width) for s in range(self.world)])
+        if len(mine):
             inputs = [_from_columns(part, t) for part, t in zip(whole.split(widths, dim=-1), local)]
             out = fn(*inputs)
             out = out if isinstance(out, tuple) else (out,)
             whole = torch.cat([_as_columns(o, dtype) for o in out], dim=-1)
 
-        back_parts = [p.reshape(-1) for p in whole.split(self.counts, dim=1)]
-        back = self._all_to_all(torch.cat(back_parts) if back_parts else whole.reshape(-1),
-                                recv_sizes, send_sizes)
-        result = back.view(self.batch, k_me, width)
+        back_parts = []
+        for s in range(self.world):
+            for jj, j in enumerate(mine):
+                start = sum(self.counts[t][j] for t in range(s))
+                back_parts.append(whole[jj, start : start + self.counts[s][j]].reshape(-1))
+        back = self._all_to_all(_cat(back_parts, packed), recv_sizes, send_sizes)
+
+        result = torch.zeros_like(packed)
+        offset = 0
+        for d in range(self.world):
+            for j in self.owned[d]:
+                n = mine_rows[j] * width
+                result[j, : mine_rows[j]] = back[offset : offset + n].view(mine_rows[j], width)
+                offset += n
         return tuple(_from_columns(part, t) for part, t in zip(result.split(widths, dim=-1), local))
+
+
+def _cat(parts: list[Tensor], like: Tensor) -> Tensor:
+    return torch.cat(parts) if parts else like.new_empty(0)
+
+
+class GlobalRowSelection:
+    """Exact top-k rows by L1 norm of row-sharded matrices, the same rows one process would pick.
+
+    One all-gather of every row's L1 norm; each rank then runs the same top-k on the whole norm
+    vector and keeps the winners it holds. ``counts`` (rows per rank per matrix) feeds RowExchange.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, full_rows: int, k: int, stats: CommStats | None):
+        self.group, self.full_rows, self.k, self.stats = group, full_rows, k, stats
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.rows = shard_rows(full_rows, self.world)
+        self.counts: list[list[int]] = []
+
+    def __call__(self, momenta: list[Tensor]) -> list[Tensor]:
+        chunk = -(-self.full_rows // self.world)
+        local = torch.zeros((1, len(momenta), chunk), dtype=torch.float32, device=momenta[0].device)
+        for j, m in enumerate(momenta):
+            local[0, j, : m.shape[0]] = m.abs().sum(dim=1)
+        gathered = all_gather_batch(local, self.group, self.stats)  # [world, B, chunk]
+        norms = torch.cat([gathered[s, :, : self.rows[s]] for s in range(self.world)], dim=1)
+        top = torch.topk(norms, self.k, dim=-1).indices  # [B, k], identical on every rank
+        starts = [sum(self.rows[:s]) for s in range(self.world)]
+        owner = torch.bucketize(top, torch.tensor(starts[1:], device=top.device), right=True)
+        self.counts = [(owner == s).sum(-1).tolist() for s in range(self.world)]
+        mine = owner == self.rank
+        return [row[keep] - starts[self.rank] for row, keep in zip(top, mine)]

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
-from orthoptim.distributed.row_exchange import RowExchange, shard_rows
+from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, shard_rows
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
 from orthoptim.orthogonalize import Orthogonalizer, get_orthogonalizer, normalize_columns
@@ -82,6 +82,29 @@ class _Matrix:
 def _local(t: Tensor) -> Tensor:
     """This rank's part of a DTensor (a view: in-place updates land in the DTensor), or t itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _RowShardedPlan:
+    """The communication around one megabatch of row-sharded matrices: which rows each rank sends
+    (all, per-shard top-k, or exact global top-k) and the two all-to-alls around the middle step."""
+
+    def __init__(self, group: dist.ProcessGroup, rows: int, batch: int, stats: CommStats | None):
+        self.group, self.rows, self.batch, self.stats = group, rows, batch, stats
+        self.counts: Callable[[], list] = lambda: shard_rows(rows, dist.get_world_size(group))
+
+    def select_rows(self, fraction: float, scope: str) -> Callable[[list[Tensor]], Any] | None:
+        """Per-shard top-k needs no hook (the rule's own top-k on local rows); global selection does."""
+        if scope == "global":
+            selector = GlobalRowSelection(self.group, self.rows, num_selected(self.rows, fraction), self.stats)
+            self.counts = lambda: selector.counts
+            return selector
+        per_shard = [num_selected(c, fraction) for c in shard_rows(self.rows, dist.get_world_size(self.group))]
+        self.counts = lambda: per_shard
+        return None
+
+    def around(self, fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, ...]]:
+        """``fn`` run on whole rows at the owner ranks, called with and returning this rank's rows."""
+        return lambda *local: RowExchange(self.group, self.counts(), self.batch, self.stats).run(fn, *local)
 
 
 def _row_state_dtype(p: Tensor) -> torch.dtype:
@@ -167,10 +190,7 @@ class OrthonormalOptimizer(Optimizer):
         if group["num_heads"] is not None or group["split_sizes"] is not None:
             raise NotImplementedError(
                 f"{where}: num_heads / split_sizes with row-sharded parameters are not supported in this version")
-        if algorithm in ("dion2", "dion3") and group["selection_scope"] != "local":
-            raise NotImplementedError(
-                f"{where}: selection_scope={group['selection_scope']!r} with row-sharded parameters is not "
-                "supported in this version; use selection_scope='local'")
+
 
     def param_name(self, p: Tensor) -> str:
         """The parameter's name (from ``param_names``) or its position in the optimizer."""
@@ -412,18 +432,16 @@ class OrthonormalOptimizer(Optimizer):
             common = {"lr": lr, "weight_decay_rate": wd, "scale": rules.lr_scale(rows, cols, group["adjust_lr"])}
             orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
             finish = None
-            if layout == "row_sharded":
-                world = dist.get_world_size(self._process_group)
-                counts = shard_rows(rows, world)
+            select = None
+            if layout == "row_sharded" and algorithm != "dion":
+                plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):
-                    counts = [num_selected(c, group["fraction"]) for c in counts]
-                exchange = RowExchange(self._process_group, counts, len(batch), self.comm_stats)
+                    select = plan.select_rows(group["fraction"], group["selection_scope"])
                 if algorithm in ("normuon", "dion3"):
-                    middle = partial(orthogonalize_and_normalize, orthogonalize=orthogonalize,
-                                     beta2=group["muon_beta2"], eps=group["epsilon"])
-                    finish = partial(exchange.run, middle)
+                    finish = plan.around(partial(orthogonalize_and_normalize, orthogonalize=orthogonalize,
+                                                 beta2=group["muon_beta2"], eps=group["epsilon"]))
                 else:
-                    orthogonalize = _first(partial(exchange.run, orthogonalize))
+                    orthogonalize = _first(plan.around(orthogonalize))
             elif layout == "replicated":
                 orthogonalize = self._share(orthogonalize)
             if algorithm == "muon":
@@ -434,12 +452,12 @@ class OrthonormalOptimizer(Optimizer):
                                      beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                      finish=finish, **common)
             elif algorithm == "dion2":
-                rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"],
-                                   orthogonalize=orthogonalize, dim=0 if layout == "row_sharded" else None, **common)
+                rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
+                                   dim=0 if layout == "row_sharded" else None, select=select, **common)
             elif algorithm == "dion3":
                 rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
                                    beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
-                                   finish=finish, **common)
+                                   finish=finish, select=select, **common)
             else:
                 if layout == "row_sharded" or self._replicate_group is not None:
                     factors = partial(sharded_low_rank_factors, full_rows=rows, stats=self.comm_stats,

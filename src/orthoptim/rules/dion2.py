@@ -26,14 +26,18 @@ def dion2_update(
     scale: float,
     orthogonalize: Callable[[Tensor], Tensor],
     dim: int | None = None,
+    select: Callable[[list[Tensor]], selection.Index] | None = None,
 ) -> None:
-    """One Dion2 step for a megabatch of same-shape matrices; ``dim`` forces rows (0) or columns (1)."""
+    """One Dion2 step for a megabatch of same-shape matrices; ``dim`` forces rows (0) or columns (1),
+    ``select(M) → index`` replaces the per-matrix top-k (exact selection over a row-sharded matrix)."""
     rows, cols = momenta[0].shape
     if dim is None:
         dim = 0 if rows <= cols else 1
     momentum.accumulate_(momenta, grads, 1.0)
-    k = selection.num_selected(momenta[0].shape[dim], fraction)
-    index = selection.top_slices(momenta, k, dim)
+    if select is None:
+        index = selection.top_slices(momenta, selection.num_selected(momenta[0].shape[dim], fraction), dim)
+    else:
+        index = select(momenta)
     u = selection.gather_slices(momenta, index, dim)
     selection.scatter_slices_(momenta, index, u * mu, dim)
     o = orthogonalize(u)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-import torch
 from torch import Tensor
 
 from orthoptim.rules import momentum, normalization, selection, weight_decay
@@ -31,22 +30,24 @@ def dion3_update(
     scale: float,
     orthogonalize: Callable[[Tensor], Tensor],
     finish: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+    select: Callable[[list[Tensor]], selection.Index] | None = None,
 ) -> None:
     """One Dion3 step for a megabatch of same-shape matrices; ``variances`` are [m] row views.
 
     ``finish(U, V[S]) → (Ô, V_new)`` defaults to orthogonalize-then-normalize on this process; a
-    distributed plan passes one that runs it where the whole rows are.
+    distributed plan passes one that runs it where the whole rows are. ``select(M) → index``
+    replaces the per-matrix top-k (exact selection over a row-sharded matrix).
     """
     momentum.accumulate_(momenta, grads, 1.0)
-    k = selection.num_selected(momenta[0].shape[0], fraction)
-    index = selection.top_slices(momenta, k, 0)
+    if select is None:
+        index = selection.top_slices(momenta, selection.num_selected(momenta[0].shape[0], fraction), 0)
+    else:
+        index = select(momenta)
     u = selection.gather_slices(momenta, index, 0)
     selection.scatter_slices_(momenta, index, u * mu, 0)
     if finish is None:
         finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
-    v_selected = torch.stack([v[i] for v, i in zip(variances, index)])
-    o_hat, v_new = finish(u, v_selected)
-    for v, i, new in zip(variances, index, v_new):
-        v.index_copy_(0, i, new)
+    o_hat, v_new = finish(u, selection.gather_entries(variances, index))
+    selection.scatter_entries_(variances, index, v_new)
     weight_decay.decay_(params, lr, weight_decay_rate)
     selection.add_slices_(params, index, o_hat, 0, alpha=-lr * scale)
