@@ -175,14 +175,20 @@ class OrthonormalOptimizer(Optimizer):
         where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
         if self._process_group is None:
             raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
-        if p.device_mesh.ndim != 1 or p.device_mesh.size() != dist.get_world_size(self._process_group):
-            raise NotImplementedError(
-                f"{where}: only 1-D meshes over the distributed_mesh's ranks are supported in this version "
-                "(2-D FSDP x TP meshes are not); for HSDP pass the shard sub-mesh")
-        placement = p.placements[0]
+        sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
         algorithm = group["algorithm"]
-        if algorithm not in MATRIX_ALGORITHMS or isinstance(placement, Replicate):
+        if algorithm not in MATRIX_ALGORITHMS or not sharded:
             return  # elementwise rules and replicated matrices need nothing special
+        if len(sharded) > 1:
+            raise NotImplementedError(
+                f"{where}: a matrix sharded over several mesh dimensions (e.g. FSDP x TP) is not supported "
+                "in this version")
+        if p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
+            raise ValueError(
+                f"{where}: its shard mesh dimension has {p.device_mesh.size(sharded[0])} ranks but "
+                f"distributed_mesh has {dist.get_world_size(self._process_group)}; pass the mesh (for HSDP "
+                "the shard sub-mesh, e.g. mesh['shard']) the parameter is sharded over")
+        placement = p.placements[sharded[0]]
         if not (isinstance(placement, Shard) and placement.dim == 0):
             raise NotImplementedError(f"{where}: matrix rules support Shard(0) (FSDP2) or Replicate only")
         if p.ndim == 3 and not group["flatten"]:
@@ -256,9 +262,9 @@ class OrthonormalOptimizer(Optimizer):
         # Shard(0) splits the rows of a matrix (dim 1 of [1, rows]) or the batch of a 3-D tensor (dim 0).
         batched = p.ndim == 3 and (view.batch, view.rows) == tuple(p.shape[:2])
         shape_local = (local.shape[0], view.rows) if batched else (1, local.shape[0])
-        placement = Shard(0) if batched else Shard(1)
+        placements = tuple(pl if isinstance(pl, Replicate) else Shard(0 if batched else 1) for pl in p.placements)
         return DTensor.from_local(torch.zeros(shape_local, device=local.device, dtype=dtype),
-                                  p.device_mesh, (placement,), shape=torch.Size((view.batch, view.rows)),
+                                  p.device_mesh, placements, shape=torch.Size((view.batch, view.rows)),
                                   stride=(view.rows, 1))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
