@@ -1,9 +1,105 @@
-"""Backends for the matrix products the orthogonalizers are made of.
+"""Backends for the matrix products the orthogonalizers are made of, and Dion3's fused update.
 
-Today every device uses the torch backend (``torch.bmm``/``torch.baddbmm``). Faster backends
-(symmetric GPU kernels) plug in here and are chosen at runtime, always with this torch fallback.
+Every function here has a torch implementation (``torch_backend``, correct on every device) and a
+Triton one (``triton_symmetric``, ``triton_dion3``) used on CUDA when ``triton`` is installed and the
+problem is big enough to win; ``ORTHOPTIM_KERNELS=torch|triton|auto`` overrides the choice
+(see ``select``). Triton is optional: nothing here imports it until a CUDA tensor asks for it.
 """
 
-from orthoptim.kernels.torch_backend import gram, symmetric_polynomial
+from __future__ import annotations
 
-__all__ = ["gram", "symmetric_polynomial"]
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from orthoptim.kernels import select, torch_backend
+from orthoptim.kernels.select import ENV_VAR, MIN_TRITON_SIZE
+
+_SYMMETRIC = "triton_symmetric"
+_DION3 = "triton_dion3"
+
+
+def backend(x: Tensor, size: int | None = None) -> str:
+    """The backend ("torch" or "triton") a symmetric product with output side ``size`` would use."""
+    return "triton" if select.use_triton(x, size=size, module=_SYMMETRIC) else "torch"
+
+
+def gram(x: Tensor) -> Tensor:
+    """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric)."""
+    if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC):
+        return select.triton_module(_SYMMETRIC).gram(x)
+    return torch_backend.gram(x)
+
+
+def symmetric_polynomial(r: Tensor, a: float, b: float, c: float) -> Tensor:
+    """a I + b R + c R² for a batch of symmetric R [B, k, k]."""
+    if select.use_triton(r, size=r.shape[-1], module=_SYMMETRIC):
+        return select.triton_module(_SYMMETRIC).symmetric_polynomial(r, a, b, c)
+    return torch_backend.symmetric_polynomial(r, a, b, c)
+
+
+def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
+    """P Q for batches of symmetric P, Q [B, k, k] that commute (e.g. polynomials in one matrix R).
+
+    The result is then symmetric, which the Triton kernel relies on: it computes the lower half only.
+    """
+    if p.dtype == q.dtype and select.use_triton(p, q, size=p.shape[-1], module=_SYMMETRIC):
+        return select.triton_module(_SYMMETRIC).symmetric_product(p, q)
+    return torch_backend.symmetric_product(p, q)
+
+
+def dion3_post_update(
+    params: Tensor | Sequence[Tensor],
+    index: Tensor | Sequence[Tensor],
+    o: Tensor,
+    v: Tensor | None,
+    *,
+    lr: float,
+    weight_decay: float,
+    scale: float,
+    beta2: float,
+    eps: float,
+    normalize: bool = True,
+) -> Tensor | None:
+    """Dion3 after orthogonalization: NorMuon normalization of the selected rows, weight decay on
+    every row, scaled update into the selected rows, with one rounding to the parameter dtype.
+
+    See ``torch_backend.dion3_post_update`` for the contract; the Triton kernel (CUDA) computes the
+    same in fewer passes over X.
+    """
+    if _dion3_triton(params, index, o, v, normalize):
+        kernel = select.triton_module(_DION3).dion3_post_update
+    else:
+        kernel = torch_backend.dion3_post_update
+    return kernel(
+        params, index, o, v, lr=lr, weight_decay=weight_decay, scale=scale, beta2=beta2, eps=eps, normalize=normalize
+    )
+
+
+def _dion3_triton(
+    params: Tensor | Sequence[Tensor], index: Tensor | Sequence[Tensor], o: Tensor, v: Tensor | None, normalize: bool
+) -> bool:
+    if len(params) == 0 or o.numel() == 0 or params[0].numel() == 0:
+        return False
+    if not isinstance(index, Tensor):
+        if any(i.device != o.device for i in index):
+            return False
+        index = o  # only its device is read below
+    tensors = (params[0], o) if isinstance(params, Tensor) or len(params) == 1 else (params[0], params[-1], o)
+    if not select.use_triton(*tensors, module=_DION3):
+        return False
+    if index.device != o.device or (normalize and (v is None or v.dtype != torch.float32 or v.device != o.device)):
+        return False
+    return select.triton_module(_DION3).supported(params)
+
+
+__all__ = [
+    "ENV_VAR",
+    "MIN_TRITON_SIZE",
+    "backend",
+    "dion3_post_update",
+    "gram",
+    "symmetric_polynomial",
+    "symmetric_product",
+]

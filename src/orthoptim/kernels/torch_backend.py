@@ -1,6 +1,8 @@
-"""The reference backend: plain batched matmuls, correct on every device."""
+"""The reference backend: plain batched matmuls and elementwise torch ops, correct on every device."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -16,3 +18,62 @@ def symmetric_polynomial(r: Tensor, a: float, b: float, c: float) -> Tensor:
     p = torch.baddbmm(r, r, r, beta=b, alpha=c)
     p.diagonal(dim1=-2, dim2=-1).add_(a)
     return p
+
+
+def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
+    """P Q for batches of symmetric, commuting P, Q [B, k, k] (so P Q is symmetric)."""
+    return torch.bmm(p, q)
+
+
+def dion3_post_update(
+    params: Tensor | Sequence[Tensor],
+    index: Tensor | Sequence[Tensor],
+    o: Tensor,
+    v: Tensor | None,
+    *,
+    lr: float,
+    weight_decay: float,
+    scale: float,
+    beta2: float,
+    eps: float,
+    normalize: bool = True,
+) -> Tensor | None:
+    """Dion3's update after orthogonalization, rounding each parameter element once.
+
+    For each matrix X [m, n] (``params``: [B, m, n] or B same-shape matrices, updated in place),
+    its selected rows S = ``index[b]`` (distinct), their orthogonalized rows O = ``o[b]`` [k, n] and
+    their variance V = ``v[b]`` [k]:
+    V' = β₂V + (1−β₂)·mean_j(O²); Ô = O/(√V' + ε) rescaled to ‖O‖_F (NorMuon, in fp32 or finer);
+    X ← X(1 − lr·wd) on every row and X[S] ← X[S](1 − lr·wd) − lr·scale·Ô, where the selected rows
+    are computed from the old X[S] in fp32 and rounded to X's dtype once.
+    With ``normalize=False``, Ô = O and V is neither read nor updated.
+    ``index`` may also be a list of B 1-D tensors of different lengths (ragged selection); ``o`` and
+    ``v`` are then zero-padded to the longest, and the padding is never written.
+    Returns V' [B, k] in V's dtype (``None`` with ``normalize=False``).
+    """
+    xs = list(params.unbind(0)) if isinstance(params, Tensor) else list(params)
+    if not xs:
+        return v.clone() if normalize else None
+    work = torch.promote_types(torch.promote_types(xs[0].dtype, o.dtype), torch.float32)
+    if normalize:
+        work = torch.promote_types(work, v.dtype)
+    o_w = o.to(work)
+    sumsq = o_w.square().sum(-1)  # [B, k]
+    v_new = None
+    step = torch.full((len(xs), o.shape[1]), -lr * scale, dtype=work, device=o.device)
+    if normalize:
+        v_new = torch.lerp(sumsq / max(o.shape[-1], 1), v.to(work), beta2)  # β₂V + (1−β₂)·mean(O²)
+        d = v_new.sqrt() + eps
+        norm_o = sumsq.sum(-1).sqrt()
+        norm_hat = (sumsq / d.square()).sum(-1).sqrt()
+        # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
+        ratio = norm_o / norm_hat.clamp_min(torch.finfo(work).tiny)
+        step = step * ratio.unsqueeze(-1) / d
+    decay = 1.0 - lr * weight_decay
+    for x, i, o_b, c_b in zip(xs, index, o_w, step):
+        rows = x.index_select(0, i).to(work) * decay
+        rows = torch.addcmul(rows, c_b[: len(i)].unsqueeze(-1), o_b[: len(i)])
+        if decay != 1.0:
+            x.mul_(decay)
+        x.index_copy_(0, i, rows.to(x.dtype))
+    return v_new.to(v.dtype) if v_new is not None else None

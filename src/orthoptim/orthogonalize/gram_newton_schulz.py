@@ -59,10 +59,12 @@ def gram_newton_schulz(
             R = kernels.gram(X)
             Q = None
         P = kernels.symmetric_polynomial(R, a, b, c)
-        Q = P if Q is None else torch.bmm(Q, P)
+        # Q, P and R are polynomials in the R of the last restart: they commute and every product
+        # below is symmetric, which lets the kernels compute only half of each.
+        Q = P if Q is None else kernels.symmetric_product(Q, P)
         # R ← P R P, skipped where nothing reads it (last iteration, or a restart comes next).
         if i < last and (i + 1) not in restart_at:
-            R = torch.bmm(P, torch.bmm(R, P))
+            R = kernels.symmetric_product(P, kernels.symmetric_product(R, P))
     if Q is not None:
         X = torch.bmm(Q, X)
     if transposed:

@@ -1,0 +1,82 @@
+"""Which backend runs a product: the torch reference or the Triton kernels.
+
+``ORTHOPTIM_KERNELS`` (read at every call, so tests and benchmarks can switch it):
+
+- ``auto`` (default, also when unset or empty): Triton for CUDA tensors of a supported dtype when
+  ``triton`` is installed and the problem is at least ``MIN_TRITON_SIZE`` on the output side; torch
+  everywhere else (CPU tensors always).
+- ``torch``: the torch backend everywhere.
+- ``triton``: Triton wherever it can run, whatever the size: CUDA tensors, and CPU tensors when the
+  Triton kernels were imported under ``TRITON_INTERPRET=1`` (the CPU interpreter, for tests). Torch
+  for everything else (e.g. float64). Raises ImportError when ``triton`` is not installed.
+
+The Triton modules are imported lazily, the first time a CUDA tensor (or the ``triton`` override)
+asks for them: ``import orthoptim`` never imports triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+ENV_VAR = "ORTHOPTIM_KERNELS"
+CHOICES = ("auto", "torch", "triton")
+
+# Output side (k of a k×k result) from which ``auto`` picks the symmetric Triton kernels on CUDA.
+# Below it one or a few tiles per matrix leave most of the GPU idle and cuBLAS wins on launch cost.
+# A first guess from the tile arithmetic (128×128 tiles: k = 512 saves 6 of 16 tiles), not yet a
+# measurement: benchmarks/gpu_check.sh reports the crossover to calibrate it on a GPU.
+MIN_TRITON_SIZE = 512
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def requested() -> str:
+    """The value of ``ORTHOPTIM_KERNELS`` (``auto`` when unset), validated."""
+    value = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
+    if value not in CHOICES:
+        raise ValueError(f"{ENV_VAR}={os.environ[ENV_VAR]!r} is not supported; use one of {list(CHOICES)}")
+    return value
+
+
+@cache
+def triton_installed() -> bool:
+    """Whether ``import triton`` would succeed (checked without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_module(name: str) -> ModuleType:
+    """Import ``orthoptim.kernels.<name>`` (a Triton module) on first use."""
+    if not triton_installed():
+        raise ImportError(
+            f"{ENV_VAR}=triton needs the optional dependency 'triton' (pip install triton); it is not installed"
+        )
+    return importlib.import_module(f"orthoptim.kernels.{name}")
+
+
+def _triton_can_run(tensors: tuple[Tensor, ...], module: str) -> bool:
+    if any(t.dtype not in TRITON_DTYPES for t in tensors):
+        return False
+    if all(t.is_cuda for t in tensors):
+        return True
+    # CPU tensors only run under the interpreter, i.e. when the kernels were built by it.
+    return all(t.device.type == "cpu" for t in tensors) and triton_module(module).INTERPRET
+
+
+def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
+    """True when the Triton ``module`` should run a product of ``tensors`` (output side ``size``)."""
+    choice = requested()
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        return _triton_can_run(tensors, module)
+    if not triton_installed() or not all(t.is_cuda for t in tensors):
+        return False
+    if size is not None and size < MIN_TRITON_SIZE:
+        return False
+    return _triton_can_run(tensors, module)
