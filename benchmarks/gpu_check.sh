@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU check: the kernel correctness tests (compiled, not interpreted) and the kernel micro-benchmark.
+#
+#   benchmarks/gpu_check.sh OUTDIR
+#
+# Writes into OUTDIR: env.json (device, versions, commit), kernel_tests.txt + kernel_tests.xml
+# (pytest on tests/test_kernels*.py), kernels_bench.json + kernels_bench.txt (torch vs Triton per
+# product, Gram NS vs standard NS, fused Dion3 update; medians in ms). Runs in under 8 minutes:
+# tests are capped at 180 s, the benchmark stops starting new cases after 180 s and is killed at
+# 270 s. Without a CUDA device (or without triton) it says so and exits 0.
+# Exit status: 0 when every step that ran passed, 1 when the tests failed or the benchmark broke.
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+    echo "usage: $0 OUTDIR" >&2
+    exit 2
+fi
+mkdir -p "$1" || exit 2
+OUT=$(cd "$1" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: no CUDA device here; nothing to check (exit 0)"
+    exit 0
+fi
+if ! "$PY" -c 'import triton' 2>/dev/null; then
+    echo "gpu_check: CUDA is available but triton is not installed (pip install triton); nothing to check (exit 0)"
+    exit 0
+fi
+if [ -n "${TRITON_INTERPRET:-}" ]; then
+    echo "gpu_check: unsetting TRITON_INTERPRET=${TRITON_INTERPRET}: this check compiles the kernels"
+    unset TRITON_INTERPRET
+fi
+
+"$PY" - "$OUT/env.json" <<'EOF'
+import json, subprocess, sys, torch, triton
+commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+info = {"device": torch.cuda.get_device_name(), "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+        "commit": commit, "uncommitted_changes": dirty}
+json.dump(info, open(sys.argv[1], "w"), indent=1)
+print("gpu_check:", info)
+EOF
+
+status=0
+echo "gpu_check: kernel tests (compiled kernels on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py \
+    --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.txt"
+test_rc=${PIPESTATUS[0]}
+if [ "$test_rc" -ne 0 ]; then
+    echo "gpu_check: kernel tests FAILED (exit $test_rc; 124 = timed out)"
+    status=1
+fi
+
+echo "gpu_check: kernel micro-benchmark"
+timeout 270 "$PY" benchmarks/kernels_bench.py --out "$OUT/kernels_bench.json" --budget-s 180 2>&1 \
+    | tee "$OUT/kernels_bench.txt"
+bench_rc=${PIPESTATUS[0]}
+if [ "$bench_rc" -ne 0 ]; then
+    echo "gpu_check: benchmark FAILED (exit $bench_rc; 124 = timed out)"
+    status=1
+fi
+
+echo "gpu_check: done, results in $OUT (status $status)"
+exit $status
