@@ -175,37 +175,72 @@ def test_dion3_communicated_bytes_scale_with_fraction():
             assert by_fraction[fraction] == pytest.approx(full * fraction, rel=0.02), by_fraction
 
 
-def _unsupported(rank: int, world: int) -> dict:
+def _gathered_layouts(rank: int, world: int) -> dict:
+    """Sharding other than rows over distributed_mesh: Shard(1) (tensor-parallel rowwise), FSDP x TP on a
+    2-D mesh, and per-head blocks of a row-sharded matrix: whole matrices are gathered, the same update."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
-    messages = {}
-    cases = {
-        "shard1": (orthoptim.Muon, [Shard(1)], {}),
-        "shard1_dion3": (orthoptim.Dion3, [Shard(1)], {}),
-        "heads": (orthoptim.Dion3, [Shard(0)], {"num_heads": 2}),
-        "no_mesh": (orthoptim.Dion3, [Shard(0)], None),
+    mesh_1d = init_device_mesh("cpu", (world,))
+    mesh_2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    layouts = {
+        "shard1": (mesh_1d, [Shard(1)], mesh_1d, {}),
+        "fsdp_x_tp": (mesh_2d, [Shard(0), Shard(1)], mesh_2d["dp"], {}),
+        "fsdp_x_tp_rows": (mesh_2d, [Shard(0), Shard(0)], mesh_2d["dp"], {}),
+        "heads": (mesh_1d, [Shard(0)], mesh_1d, {"num_heads": 3}),
     }
-    for name, (cls, placements, group_options) in cases.items():
-        p = nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, placements))
-        try:
-            if group_options is None:
-                cls([p])
-            else:
-                cls([{"params": [("blocks.0.attn.weight", p)], **group_options}], distributed_mesh=mesh)
-        except (NotImplementedError, ValueError) as e:
-            messages[name] = str(e)
-    return messages
+    optimizers = {
+        "muon": (orthoptim.Muon, {"nesterov": True}),
+        "normuon": (orthoptim.NorMuon, {}),
+        "dion3": (orthoptim.Dion3, {"fraction": 0.25}),
+        "dion2": (orthoptim.Dion2, {"fraction": 0.5}),
+        "dion": (orthoptim.Dion3, {"algorithm": "dion", "rank_fraction": 0.5}),
+    }
+    shapes = [(18, 24), (18, 24), (24, 12)]
+    out = {}
+    for layout, (mesh, placements, opt_mesh, group_options) in layouts.items():
+        for name, (cls, options) in optimizers.items():
+            options = {**options, **group_options}
+            group_keys = {k: options.pop(k) for k in ("algorithm", "rank_fraction", "num_heads") if k in options}
+            gen = torch.Generator().manual_seed(3)
+            init = [torch.randn(s, generator=gen) for s in shapes]
+            grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
+            single = [nn.Parameter(t.clone()) for t in init]
+            sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, placements)) for t in init]
+            opt_single = cls([{"params": single, **group_keys}], lr=LR, weight_decay=WD, **options)
+            opt = cls([{"params": sharded, **group_keys}], lr=LR, weight_decay=WD, distributed_mesh=opt_mesh,
+                      **options)
+            for step in range(STEPS):
+                for a, b, g in zip(single, sharded, grads[step]):
+                    a.grad = g.clone()
+                    b.grad = distribute_tensor(g.clone(), mesh, placements)
+                opt_single.step()
+                opt.step()
+            out[(layout, name)] = [float((b.full_tensor() - a).norm() / a.norm()) for a, b in zip(single, sharded)]
+    return out
 
 
-def test_unsupported_layouts_raise_naming_parameter_and_placements():
-    messages = run_distributed(_unsupported, 2, timeout=60)[0]
-    assert set(messages) == {"shard1", "shard1_dion3", "heads", "no_mesh"}, messages
-    for name in ("shard1", "shard1_dion3", "heads"):
-        assert "blocks.0.attn.weight" in messages[name] and "Shard(dim=" in messages[name], messages[name]
-    assert "Shard(dim=1)" in messages["shard1"]
-    assert "distributed_mesh" in messages["no_mesh"]
+def test_gathered_layouts_match_single_process():
+    for result in run_distributed(_gathered_layouts, 4, timeout=300):
+        for key, errors in result.items():
+            assert max(errors) <= REL_TOL, (key, errors)
+
+
+def _without_mesh(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 12), init_device_mesh("cpu", (world,)), [Shard(0)]))
+    try:
+        orthoptim.Dion3([{"params": [("blocks.0.attn.weight", p)]}])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_sharded_parameter_without_mesh_is_refused():
+    message = run_distributed(_without_mesh, 2, timeout=60)[0]
+    assert "blocks.0.attn.weight" in message and "Shard(dim=0)" in message and "distributed_mesh" in message
 
 
 def _fully_shard_training(rank: int, world: int) -> dict:

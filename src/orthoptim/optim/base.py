@@ -29,9 +29,10 @@ from orthoptim.rules.normalization import orthogonalize_and_normalize
 from orthoptim.rules.selection import num_selected
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
     DTensor = Replicate = Shard = ()  # type: ignore[assignment,misc]
+    distribute_tensor = None
 
 # Every key any algorithm reads, with its library-wide default; subclasses override some.
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -82,6 +83,41 @@ class _Matrix:
 def _local(t: Tensor) -> Tensor:
     """This rank's part of a DTensor (a view: in-place updates land in the DTensor), or t itself."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Gathered:
+    """Whole copies of a sharded matrix's momentum, gradient and row variance for one step.
+
+    The rule runs on these with a zero "parameter" that collects the update (its weight decay is
+    applied on the shard directly); ``write_back`` keeps each rank's block.
+    """
+
+    def __init__(self, p: Tensor, state: dict[str, Any], stats: CommStats | None):
+        self.p, self.state = p, state
+
+        def whole(t: Tensor) -> Tensor:
+            if stats is not None:
+                stats.record("all_gather", t.to_local().numel() * t.element_size())
+            return t.full_tensor().contiguous()
+
+        self.momentum = whole(state["momentum"])
+        self.grad = whole(p.grad)
+        self.variance = whole(state["variance"]) if "variance" in state else None
+        self.delta = torch.zeros(p.shape, dtype=p.dtype, device=self.momentum.device)
+
+    @staticmethod
+    def _block(full: Tensor, like: Tensor) -> Tensor:
+        # Slicing only (src_data_rank=None): every rank already holds the same whole tensor.
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+    def write_back(self, lr: float, weight_decay: float) -> None:
+        local = self.p.to_local()
+        if lr * weight_decay != 0.0:
+            local.mul_(1.0 - lr * weight_decay)
+        local.add_(self._block(self.delta, self.p))
+        self.state["momentum"].to_local().copy_(self._block(self.momentum, self.p))
+        if self.variance is not None:
+            self.state["variance"].to_local().copy_(self._block(self.variance, self.state["variance"]))
 
 
 class _RowShardedPlan:
@@ -176,27 +212,14 @@ class OrthonormalOptimizer(Optimizer):
         if self._process_group is None:
             raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
         sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
-        algorithm = group["algorithm"]
-        if algorithm not in MATRIX_ALGORITHMS or not sharded:
-            return  # elementwise rules and replicated matrices need nothing special
-        if len(sharded) > 1:
-            raise NotImplementedError(
-                f"{where}: a matrix sharded over several mesh dimensions (e.g. FSDP x TP) is not supported "
-                "in this version")
-        if p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
+        if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
+            return  # elementwise rules, replicated matrices and gathered (e.g. FSDP x TP) matrices
+        if type(p.placements[sharded[0]]) is Shard and p.placements[sharded[0]].dim == 0 and \
+                p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
             raise ValueError(
                 f"{where}: its shard mesh dimension has {p.device_mesh.size(sharded[0])} ranks but "
                 f"distributed_mesh has {dist.get_world_size(self._process_group)}; pass the mesh (for HSDP "
                 "the shard sub-mesh, e.g. mesh['shard']) the parameter is sharded over")
-        placement = p.placements[sharded[0]]
-        if not (isinstance(placement, Shard) and placement.dim == 0):
-            raise NotImplementedError(f"{where}: matrix rules support Shard(0) (FSDP2) or Replicate only")
-        if p.ndim == 3 and not group["flatten"]:
-            return  # whole matrices of a batch live on each rank
-        if group["num_heads"] is not None or group["split_sizes"] is not None:
-            raise NotImplementedError(
-                f"{where}: num_heads / split_sizes with row-sharded parameters are not supported in this version")
-
 
     def param_name(self, p: Tensor) -> str:
         """The parameter's name (from ``param_names``) or its position in the optimizer."""
@@ -232,7 +255,7 @@ class OrthonormalOptimizer(Optimizer):
             needed = {"momentum": lambda: torch.zeros_like(p, memory_format=torch.contiguous_format)}
             if algorithm in ("normuon", "dion3"):
                 # One second moment per row (neuron), in at least fp32: it is tiny and an EMA needs the bits.
-                needed["variance"] = lambda: self._row_state(p, self._view(p, group))
+                needed["variance"] = lambda: self._row_state(p, group)
         for key, make in needed.items():
             if key not in state:
                 state[key] = make()
@@ -251,13 +274,16 @@ class OrthonormalOptimizer(Optimizer):
                 q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32), group["epsilon"])
                 state["Q"] = q.to(device=p.device, dtype=p.dtype)
 
-    @staticmethod
-    def _row_state(p: Tensor, view: MatrixView) -> Tensor:
-        """Zeros [batch, rows] in fp32 (fp64 for fp64 parameters); for a DTensor parameter a DTensor
-        sharded like its rows."""
+    def _row_state(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """Zeros [batch, rows] in fp32 (fp64 for fp64 parameters); for a DTensor parameter a DTensor,
+        sharded like its rows where the step works on row shards, else replicated (it is small)."""
         dtype = _row_state_dtype(p)
-        if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
+        view = self._view(p, group)
+        if not isinstance(p, DTensor):
             return torch.zeros(view.batch, view.rows, device=p.device, dtype=dtype)
+        if self._layout(p, group) not in ("row_sharded", "local"):
+            return DTensor.from_local(torch.zeros(view.batch, view.rows, device=_local(p).device, dtype=dtype),
+                                      p.device_mesh, [Replicate()] * p.device_mesh.ndim)
         local = _local(p)
         # Shard(0) splits the rows of a matrix (dim 1 of [1, rows]) or the batch of a 3-D tensor (dim 0).
         batched = p.ndim == 3 and (view.batch, view.rows) == tuple(p.shape[:2])
@@ -375,24 +401,43 @@ class OrthonormalOptimizer(Optimizer):
         return split_batch(fn, self._process_group, self.comm_stats)
 
     def _layout(self, p: Tensor, group: dict[str, Any]) -> str:
-        """How the step treats a parameter: "replicated" (whole on every rank, or single process),
-        "row_sharded" (FSDP2 Shard(0) of a matrix: rows assembled at an owner rank) or "local"
-        (Shard(0) of a batch of matrices: every rank owns whole matrices, no communication)."""
-        if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
+        """How the step treats a parameter:
+
+        - "replicated": whole on every rank (or a single process); DDP shares the batch of work;
+        - "row_sharded": FSDP2 ``Shard(0)`` of a matrix over ``distributed_mesh`` (possibly replicated
+          over other mesh dims, HSDP): rows are assembled at an owner rank and sent back;
+        - "local": ``Shard(0)`` of a batch of matrices: each rank owns whole matrices, no communication;
+        - "gathered": any other sharding (``Shard(1)``, FSDP x TP, heads/splits on row shards): the
+          momentum and gradient are all-gathered, the rule runs on whole matrices with the work
+          shared over ``distributed_mesh``, and each rank keeps its block of the result.
+        """
+        if not isinstance(p, DTensor):
             return "replicated"
-        if p.ndim == 3 and not group["flatten"]:
-            return "local"
-        return "row_sharded"
+        sharded = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+        if not sharded:
+            return "replicated"
+        if len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 0:
+            if p.ndim == 3 and not group["flatten"]:
+                return "local"
+            if group["num_heads"] is None and group["split_sizes"] is None:
+                return "row_sharded"
+        return "gathered"
 
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         algorithm = group["algorithm"]
         matrices: list[_Matrix] = []
+        gathered: list[_Gathered] = []
         for p in params:
             state = self.state[p]
-            x, m = _local(p), _local(state["momentum"])
-            grad = _local(p.grad)
-            grad = grad if grad.is_contiguous() else grad.contiguous()
             layout = self._layout(p, group)
+            if layout == "gathered":
+                whole = _Gathered(p, state, self.comm_stats)
+                gathered.append(whole)
+                x, m, grad = whole.delta, whole.momentum, whole.grad
+            else:
+                x, m = _local(p), _local(state["momentum"])
+                grad = _local(p.grad)
+                grad = grad if grad.is_contiguous() else grad.contiguous()
             if layout == "row_sharded":
                 # One local row block of the full matrix; blocks (heads, splits) are rejected up front.
                 full_rows, cols = p.shape[0], math.prod(p.shape[1:])
@@ -411,13 +456,13 @@ class OrthonormalOptimizer(Optimizer):
                 matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
                                         layout, (full_rows, cols)))
                 continue
-            view = self._view(p, group) if layout == "replicated" else matrix_view(
+            view = self._view(p, group) if layout in ("replicated", "gathered") else matrix_view(
                 x.shape, name=self.param_name(p), flatten=group["flatten"], num_heads=group["num_heads"],
                 split_sizes=group["split_sizes"])
             extra: list[Any]
             ranks = [0] * view.num_matrices
             if algorithm in ("normuon", "dion3"):
-                extra = view.row_vectors(_local(state["variance"]))
+                extra = view.row_vectors(gathered[-1].variance if layout == "gathered" else _local(state["variance"]))
             elif algorithm == "dion":
                 ranks = self._dion_ranks(view, group["rank_fraction"])
                 extra = [state["Q"][i, :, :r] for i, r in enumerate(ranks)]
@@ -448,7 +493,7 @@ class OrthonormalOptimizer(Optimizer):
                                                  beta2=group["muon_beta2"], eps=group["epsilon"]))
                 else:
                     orthogonalize = _first(plan.around(orthogonalize))
-            elif layout == "replicated":
+            elif layout in ("replicated", "gathered"):
                 orthogonalize = self._share(orthogonalize)
             if algorithm == "muon":
                 rules.muon_update(xs, gs, ms, mu=group["mu"], nesterov=group["nesterov"],
@@ -471,9 +516,11 @@ class OrthonormalOptimizer(Optimizer):
                                       replicate=self._replicate_group)
                 else:
                     factors = partial(rules.low_rank_factors, qr_method=group["qr_method"])
-                    if layout == "replicated":
+                    if layout in ("replicated", "gathered"):
                         factors = self._share(factors)
                 rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors, **common)
+        for whole in gathered:
+            whole.write_back(lr, wd)
 
     def _scalar_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         beta1, beta2 = group["betas"]
