@@ -12,7 +12,8 @@ from functools import partial
 
 from torch import Tensor
 
-from orthoptim.rules import momentum, normalization, selection, weight_decay
+from orthoptim import kernels
+from orthoptim.rules import momentum, selection
 
 
 def dion3_update(
@@ -45,9 +46,11 @@ def dion3_update(
         index = select(momenta)
     u = selection.gather_slices(momenta, index, 0)
     selection.scatter_slices_(momenta, index, u * mu, 0)
-    if finish is None:
-        finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
-    o_hat, v_new = finish(u, selection.gather_entries(variances, index))
+    v_selected = selection.gather_entries(variances, index)
+    post = partial(kernels.dion3_post_update, lr=lr, weight_decay=weight_decay_rate, scale=scale, beta2=beta2, eps=eps)
+    if finish is None:  # normalize, decay and update in one pass, one rounding of the parameters
+        v_new = post(params, index, orthogonalize(u), v_selected)
+    else:  # Ô and V' were computed where the whole rows are
+        o_hat, v_new = finish(u, v_selected)
+        post(params, index, o_hat, None, normalize=False)
     selection.scatter_entries_(variances, index, v_new)
-    weight_decay.decay_(params, lr, weight_decay_rate)
-    selection.add_slices_(params, index, o_hat, 0, alpha=-lr * scale)
