@@ -53,6 +53,8 @@ examples:
   orthoptim train --preset gpu --compare dion3,muon,adamw --device cuda
   orthoptim train --preset gpt2-124m --data fineweb10B/ --device cuda --compare dion3,adamw
   orthoptim train --resume runs/train-20250101-120000  # continue an interrupted run
+  torchrun --standalone --nproc_per_node 8 -m orthoptim.cli train --preset gpu --compare dion3,muon
+      # data parallel: each process takes its share of every --batch-size batch
 """
 
 # Presets change the defaults below; options given on the command line still win.
