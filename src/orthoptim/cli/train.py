@@ -320,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
     rank = start_distributed(cfg)
     try:
         compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank)
+    except KeyboardInterrupt:
+        print(f"\northoptim train: interrupted; continue from the last checkpoint (every {cfg.save_every} steps) "
+              f"with: orthoptim train --resume {out_dir}", file=sys.stderr)
+        return 130
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
