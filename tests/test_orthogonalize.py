@@ -99,16 +99,6 @@ CASES = [
 # Inputs and measures
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These matrices are tiny: intra-op threads only add barrier waits, which on a shared, busy
-    CPU cost ~0.2 s per call. Run single-threaded here and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _generator(*key: object) -> torch.Generator:
     """A generator seeded from a test's parameters, so every case is deterministic and distinct."""
     seed = sum((i + 1) * ord(ch) for i, ch in enumerate(repr(key))) % (2**31)

@@ -32,16 +32,6 @@ RESIDUAL_TOL = {torch.float64: 1e-13, torch.float32: 1e-6}
 DTYPES = [torch.float32, torch.float64]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These matrices are tiny: intra-op threads only add barrier waits, which on a shared, busy
-    CPU cost ~0.2 s per call. Run single-threaded here and restore the setting afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -24,15 +24,6 @@ TOL_STATE = ref.TOL_STATE
 make_params, drive, tolerances = ref.make_params, ref.drive, ref.tolerances
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These matrices are tiny: one intra-op thread is 3-4x faster than many on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build(algorithm, params, hp, **group_opts):
     return ref.build(CLASSES[algorithm], algorithm, params, hp, **group_opts)
 

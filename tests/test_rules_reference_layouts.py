@@ -22,15 +22,6 @@ ALGORITHMS = list(CLASSES)
 HP = {**ref.HP, "fraction": 0.5, "rank_fraction": 0.5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These matrices are tiny: one intra-op thread is 3-4x faster than many on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run(algorithm, shapes, seed, steps=4, orthogonalizer=None, **group_opts):
     params = ref.make_params(shapes, seed=seed)
     opt, reference = ref.build(CLASSES[algorithm], algorithm, params, HP, orthogonalizer=orthogonalizer,

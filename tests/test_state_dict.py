@@ -31,15 +31,6 @@ EXTRA = {"dion": {"rank_fraction": 0.5}, "muon": {"nesterov": True}}
 STEPS_BEFORE, STEPS_AFTER = 3, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread is fastest and avoids contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class TinyLM(nn.Module):
     """Embedding, fused QKV (per-head view), two same-shape matrices (one megabatch), a 3-D batch
     of matrices, a norm and an untied output head: every kind of group param_groups makes."""

@@ -27,15 +27,6 @@ CLASSES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one thread is fastest and avoids contention on shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
