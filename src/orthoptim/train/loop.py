@@ -49,8 +49,8 @@ DEFAULT_LR = {
     "dion3": 0.02,
     "muon": 0.02,
     "adamw": 0.004,
-    "dion": 0.02,
-    "dion2": 0.02,
+    "dion": 0.01,
+    "dion2": 0.01,
     "normuon": 0.02,
 }
 
