@@ -146,3 +146,18 @@ def test_torchrun_two_processes_match_one(tmp_path):
         a, b = one[name]["history"], two["runs"][name]["history"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
+
+
+def test_train_on_bin_shards(tmp_path, capsys):
+    from orthoptim.train.data import write_shard
+
+    gen = torch.Generator().manual_seed(0)
+    (tmp_path / "shards").mkdir()
+    write_shard(tmp_path / "shards" / "toy_train_000001.bin", torch.randint(0, 1000, (3000,), generator=gen))
+    write_shard(tmp_path / "shards" / "toy_val_000000.bin", torch.randint(0, 1000, (500,), generator=gen))
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--data", str(tmp_path / "shards"), "--steps", "2", "--out", str(out), "--no-plot") == 0
+    run = json.loads((out / "results.json").read_text())["runs"]["dion3"]
+    assert run["final_val_bpb"] is None  # bytes per token unknown for pre-tokenized data
+    assert "1 train / 1 val shard(s), vocabulary 1024" in json.loads((out / "config.json").read_text())["data"]
+    assert capsys.readouterr().out.splitlines()[2].split()[3] == "-"  # the bits/byte cell
