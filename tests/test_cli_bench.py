@@ -5,17 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from orthoptim.cli import main
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_bench_tiny_writes_json_table_and_plot(tmp_path, capsys):
