@@ -184,15 +184,14 @@ class OrthonormalOptimizer(Optimizer):
         named = [(p if isinstance(p, tuple) else (None, p)) for p in raw]
         offset = sum(len(g["params"]) for g in self.param_groups)
         names = param_group.get("param_names") or [None] * len(named)
-        for j, (name, p) in enumerate(named):
-            label = name or names[j] or f"param_groups[{index}].params[{j}] (#{offset + j})"
+        labels = [name or names[j] or f"param_groups[{index}].params[{j}] (#{offset + j})"
+                  for j, (name, _) in enumerate(named)]
+        for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)
-        param_group = {**param_group, "params": raw}
-        super().add_param_group(param_group)
+        super().add_param_group({**param_group, "params": raw})
         group = self.param_groups[-1]
-        for j, p in enumerate(group["params"]):
-            given = group.get("param_names", [None] * len(group["params"]))[j]
-            self._names.setdefault(p, given or f"param_groups[{index}].params[{j}] (#{offset + j})")
+        for j, (p, label) in enumerate(zip(group["params"], labels)):
+            self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
             self._init_state(p, group)
 
@@ -225,9 +224,11 @@ class OrthonormalOptimizer(Optimizer):
         """The parameter's name (from ``param_names``) or its position in the optimizer."""
         return self._names.get(p, "<unknown parameter>")
 
-    def _view(self, p: Tensor, group: dict[str, Any], label: str | None = None) -> MatrixView:
+    def _view(self, p: Tensor, group: dict[str, Any], label: str | None = None,
+              shape: tuple[int, ...] | None = None) -> MatrixView:
+        """The parameter's matrix layout under the group's options (``shape``: a local shard's instead)."""
         return matrix_view(
-            p.shape,
+            p.shape if shape is None else shape,
             name=label or self.param_name(p),
             flatten=group["flatten"],
             num_heads=group["num_heads"],
@@ -456,9 +457,8 @@ class OrthonormalOptimizer(Optimizer):
                 matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
                                         layout, (full_rows, cols)))
                 continue
-            view = self._view(p, group) if layout in ("replicated", "gathered") else matrix_view(
-                x.shape, name=self.param_name(p), flatten=group["flatten"], num_heads=group["num_heads"],
-                split_sizes=group["split_sizes"])
+            # "local" shards hold whole matrices of a 3-D batch: the layout of their local shape.
+            view = self._view(p, group, shape=tuple(x.shape) if layout == "local" else None)
             extra: list[Any]
             ranks = [0] * view.num_matrices
             if algorithm in ("normuon", "dion3"):
