@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +27,26 @@ def _restore_threads():
 
 def _train(tmp_path, *args: str) -> int:
     return main(["train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--quiet", *args])
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc -m orthoptim.cli *args``, one thread per process.
+
+    The launcher runs in its own process group, so a hang kills the workers too (not only torchrun)
+    and fails the test with their output.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "orthoptim.cli", *args]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"torchrun with {nproc} processes hung > {timeout}s: {' '.join(args)}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def test_compare_end_to_end(tmp_path, capsys):
@@ -119,7 +143,8 @@ def test_help_explains_every_option(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--optimizer", "--compare", "--data", "--cache-dir", "--steps", "--lr", "--clip", "--resume",
-                   "--stop-at", "--device", "--preset", "--positions", "--fraction", "--threads"):
+                   "--stop-at", "--device", "--preset", "--positions", "--fraction", "--threads", "--ddp", "--fsdp",
+                   "--hsdp", "--selection-scope", "torchrun --standalone --nproc_per_node"):
         assert option in text
     assert "(default: 600)" in text  # defaults are spelled out
 
@@ -127,21 +152,15 @@ def test_help_explains_every_option(capsys):
 @pytest.mark.slow
 def test_torchrun_two_processes_match_one(tmp_path):
     """Under torchrun each rank takes its share of the same global batch: same losses as one process."""
-    import os
-    import subprocess
-    import sys
-
     args = ["train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plot", "--steps", "3",
             "--batch-size", "4", "--compare", "dion3,adamw"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           "2", "-m", "orthoptim.cli", *args, "--out", str(tmp_path / "two")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = torchrun(2, *args, "--out", str(tmp_path / "two"))
     assert done.returncode == 0, done.stderr[-2000:]
     one = json.loads((tmp_path / "one" / "results.json").read_text())["runs"]
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["environment"]["processes"] == 2
+    assert two["environment"]["parallel"] == "ddp"  # the default under torchrun
     for name in ("dion3", "adamw"):
         a, b = one[name]["history"], two["runs"][name]["history"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)

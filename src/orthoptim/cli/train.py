@@ -20,9 +20,11 @@ from orthoptim.train import data as datamod
 from orthoptim.train.loop import (
     DEFAULT_LR,
     OPTIMIZERS,
+    Parallel,
     TrainConfig,
     checkpoint_path,
     environment,
+    make_parallel,
     reproduce_command,
     train,
 )
@@ -54,7 +56,11 @@ examples:
   orthoptim train --preset gpt2-124m --data fineweb10B/ --device cuda --compare dion3,adamw
   orthoptim train --resume runs/train-20250101-120000  # continue an interrupted run
   torchrun --standalone --nproc_per_node 8 -m orthoptim.cli train --preset gpu --compare dion3,muon
-      # data parallel: each process takes its share of every --batch-size batch
+      # data parallel (DDP, or --ddp): each process takes its share of every --batch-size batch
+  torchrun --standalone --nproc_per_node 8 -m orthoptim.cli train --preset gpu --fsdp
+      # FSDP2: parameters, gradients and optimizer state sharded over the 8 processes
+  torchrun --standalone --nproc_per_node 8 -m orthoptim.cli train --preset gpu --hsdp 2,4
+      # HSDP: 2 replicas of the model, each sharded over 4 processes
 """
 
 # Presets change the defaults below; options given on the command line still win.
@@ -68,7 +74,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # Options that --resume accepts besides itself: they change how the run is carried out, not its result.
-RESUME_OPTIONS = {"device", "cache_dir", "stop_at", "quiet", "no_plot", "threads"}
+RESUME_OPTIONS = {"device", "cache_dir", "stop_at", "quiet", "no_plot", "threads", "parallel", "hsdp"}
 
 
 def _positive_int(text: str) -> int:
@@ -112,6 +118,15 @@ def _lr_spec(text: str) -> dict[str, float] | float:
         if out[name] == 0:
             raise argparse.ArgumentTypeError(f"the learning rate of {name} must be > 0")
     return out
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    """``R,S`` of --hsdp: R replicas, each sharded over S processes."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: give R,S (replicas, processes per replica), e.g. 2,4")
+    replicas, shards = (_positive_int(part.strip()) for part in parts)
+    return replicas, shards
 
 
 def _optimizer_list(text: str) -> list[str]:
@@ -206,6 +221,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help=f"share of steps, at the end, with linear lr decay to 0 (default: {d.cooldown:g})")
     opt.add_argument("--clip", type=_finite_float, metavar="NORM",
                      help=f"max global gradient norm of the AdamW-updated parameters, 0 = off (default: {d.clip:g})")
+    opt.add_argument("--selection-scope", choices=("global", "local"),
+                     help="dion3, dion2 under --fsdp/--hsdp: 'global' picks the rows one process would, so the "
+                          "result does not depend on the layout; 'local' picks the top rows of each shard and "
+                          f"sends fewer bytes; no effect on one process or DDP (default: {d.selection_scope})")
     opt.add_argument("--seed", type=int, metavar="S", help=f"seed of the weights and batches (default: {d.seed})")
 
     run_group = p.add_argument_group("evaluation, checkpoints, hardware")
@@ -221,6 +240,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                                 "--threads 1 avoids threads waiting on each other")
     run_group.add_argument("--autocast", choices=("auto", "bf16", "off"),
                            help=f"bfloat16 autocast of the model; auto = on for CUDA only (default: {d.autocast})")
+
+    procs = p.add_argument_group(
+        "several processes (launch with: torchrun --standalone --nproc_per_node N -m orthoptim.cli train ...)",
+        "Each process takes its share of every --batch-size batch: the global batch, and so the losses (up to\n"
+        "rounding), do not depend on the number of processes or the layout. Exceptions under --fsdp/--hsdp: dion2\n"
+        "(it selects rows there, the shorter side on one process) and --selection-scope local. Rank 0 writes the\n"
+        "files. Checkpoints hold whole tensors: --resume continues a run under any layout and number of\n"
+        "processes, or on one process.")
+    layout = procs.add_mutually_exclusive_group()
+    layout.add_argument("--ddp", action="store_const", const="ddp", dest="parallel",
+                        help="DDP: the whole model on every process, gradients averaged; each process "
+                             "orthogonalizes a share of the matrices (the default under torchrun)")
+    layout.add_argument("--fsdp", action="store_const", const="fsdp", dest="parallel",
+                        help="FSDP2 (fully_shard) over all processes: the rows of every parameter, their "
+                             "gradients and optimizer state are sharded; the orthonormal optimizers exchange "
+                             "rows over the same mesh")
+    layout.add_argument("--hsdp", type=_mesh_shape, metavar="R,S",
+                        help="FSDP2 on an R x S mesh: R replicas, each sharded over S processes (R*S = number of "
+                             "processes); gradients are averaged over all, rows exchanged within a replica")
 
 
 # ------------------------------------------------------------------------------------ configuration
@@ -244,6 +282,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise UsageError(f"--d-model {cfg.d_model} is not a multiple of --n-head {cfg.n_head}")
     if cfg.positions == "rope" and (cfg.d_model // cfg.n_head) % 2:
         raise UsageError(f"rope needs an even head size; d_model/n_head = {cfg.d_model // cfg.n_head}")
+    if cfg.selection_scope not in ("global", "local"):
+        raise UsageError(f"--selection-scope {cfg.selection_scope!r} must be 'global' or 'local'")
     for name in ("fraction", "rank_fraction"):
         if not 0 < getattr(cfg, name) <= 1:
             raise UsageError(f"--{name.replace('_', '-')} {getattr(cfg, name)} must be in (0, 1]")
@@ -317,9 +357,10 @@ def run(args: argparse.Namespace) -> int:
 
     if "threads" in given:
         torch.set_num_threads(given["threads"])
-    rank = start_distributed(cfg)
+    mode = "hsdp" if "hsdp" in given else given.get("parallel")
+    rank, parallel = start_distributed(cfg, mode, given.get("hsdp"))
     try:
-        compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank)
+        compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank, parallel=parallel)
     except KeyboardInterrupt:
         print(f"\northoptim train: interrupted; continue from the last checkpoint (every {cfg.save_every} steps) "
               f"with: orthoptim train --resume {out_dir}", file=sys.stderr)
@@ -330,26 +371,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def start_distributed(cfg: TrainConfig) -> int:
-    """Under torchrun (WORLD_SIZE > 1): join the process group; returns this process's rank."""
+def start_distributed(cfg: TrainConfig, mode: str | None = None,
+                      hsdp: tuple[int, int] | None = None) -> tuple[int, Parallel | None]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group and set up the layout ``mode`` ("ddp",
+    the default, "fsdp" or "hsdp" with ``hsdp`` = (replicas, shards)). Returns this process's rank and
+    the layout (None on one process). Options that cannot work are refused before anything starts."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    flag = f"--{mode}" + (f" {hsdp[0]},{hsdp[1]}" if mode == "hsdp" and hsdp else "")
     if world_size <= 1:
-        return 0
+        if mode is not None:
+            launch = f"torchrun --standalone --nproc_per_node N -m orthoptim.cli train {flag} ..."
+            raise UsageError(f"{flag} needs several processes; launch with {launch} "
+                             f"(WORLD_SIZE is {os.environ.get('WORLD_SIZE', 'unset')})")
+        return 0, None
     if cfg.batch_size % world_size:
         raise UsageError(f"--batch-size {cfg.batch_size} is not a multiple of the {world_size} processes")
+    if mode == "hsdp" and hsdp is not None and hsdp[0] * hsdp[1] != world_size:
+        replicas = next((r for r in range(2, world_size) if world_size % r == 0), 1)  # a valid example
+        raise UsageError(f"{flag} needs {hsdp[0]}x{hsdp[1]} = {hsdp[0] * hsdp[1]} processes but torchrun started "
+                         f"{world_size}; choose R,S with R*S = {world_size}, "
+                         f"e.g. --hsdp {replicas},{world_size // replicas}")
     cuda = torch.device(cfg.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
-    return dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), make_parallel(mode or "ddp", device, hsdp)
 
 
-def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool, plot: bool, rank: int) -> None:
+def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool, plot: bool, rank: int,
+            parallel: Parallel | None = None) -> None:
     """Train each optimizer of ``cfg`` in turn; rank 0 writes the results after each one."""
     dataset = load_dataset(cfg)
     command = reproduce_command(cfg, str(out_dir))
+    layout = "single process" if parallel is None else parallel.mode
+    if parallel is not None and parallel.mode == "hsdp":
+        layout += " {}x{}".format(*parallel.mesh.shape)
     header = {"command": command, "config": asdict(cfg), "data": dataset.description,
-              "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1"))}}
+              "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1")),
+                              "parallel": layout}}
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_json(out_dir / "config.json", header)
@@ -362,7 +422,7 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
     for name in cfg.optimizers:
         progress = Progress(cfg.steps, enabled=not quiet)
         try:
-            runs[name] = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress)
+            runs[name] = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress, parallel=parallel)
         except FloatingPointError as e:
             raise CommandError(str(e)) from None
         if rank == 0:

@@ -6,11 +6,11 @@ so every optimizer starts from the same weights and sees the same batches.
 Each step: set the learning rate from the schedule → batch → forward → backward → clip (AdamW
 parameters only, see ``clip_parameters``) → optimizer step → record. Validation every
 ``eval_every`` steps on the same windows each time; checkpoints every ``save_every`` steps.
+Under torchrun, ``Parallel`` says how the model is spread: DDP, FSDP2 or HSDP (``shard_model``).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import platform
@@ -83,6 +83,9 @@ class TrainConfig:
     warmup: float = 0.05  # share of steps with linear warm-up from 0
     cooldown: float = 0.4  # share of steps, at the end, with linear decay to 0
     clip: float = 1.0  # max global gradient norm of the AdamW-updated parameters; 0 disables
+    # dion3, dion2 under --fsdp/--hsdp: "global" picks the rows one process would (the result does not
+    # depend on the layout); "local" picks per shard and sends fewer bytes. No effect otherwise.
+    selection_scope: str = "global"
     # evaluation, checkpoints, hardware
     eval_every: int = 50
     eval_batches: int = 8
@@ -125,13 +128,64 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return 1.0
 
 
+# ------------------------------------------------------------------------------------ layout
+@dataclass
+class Parallel:
+    """How a torchrun run spreads the model over its processes (ignored on one process).
+
+    ``mode``: "ddp" (whole model on every rank, DDP averages gradients), "fsdp" (FSDP2, rows of every
+    parameter sharded over all ranks) or "hsdp" (FSDP2 on a ("replicate", "shard") mesh: sharded
+    within a row of the mesh, replicated across rows). ``mesh``: the device mesh of fsdp/hsdp.
+    """
+
+    mode: str = "ddp"
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh for fsdp/hsdp
+
+    @property
+    def sharded(self) -> bool:
+        return self.mode in ("fsdp", "hsdp")
+
+    @property
+    def shard_mesh(self) -> Any:
+        """The 1-D mesh the parameters' rows are sharded over: what the optimizer exchanges rows on."""
+        return self.mesh["shard"] if self.mode == "hsdp" else self.mesh
+
+
+def make_parallel(mode: str, device: torch.device, hsdp: tuple[int, int] | None = None) -> Parallel:
+    """The layout of a torchrun run; call after ``init_process_group`` (the mesh makes sub-groups)."""
+    if mode == "ddp":
+        return Parallel("ddp")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if mode == "fsdp":
+        return Parallel("fsdp", init_device_mesh(device.type, (dist.get_world_size(),)))
+    if mode == "hsdp" and hsdp is not None:
+        return Parallel("hsdp", init_device_mesh(device.type, hsdp, mesh_dim_names=("replicate", "shard")))
+    raise ValueError(f"unknown parallel mode {mode!r} (hsdp needs its (replicate, shard) shape)")
+
+
+def shard_model(model: GPT, parallel: Parallel) -> None:
+    """FSDP2 in place: each block is one unit (gathered just before it runs, freed after), then the
+    root takes what is left (embeddings, final norm, head). Wrapping the root last keeps a weight
+    shared by two of those modules one parameter (tied embeddings stay tied). On a 2-D mesh
+    ``fully_shard`` replicates over the first dimension and shards over the second (HSDP)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=parallel.mesh)
+    fully_shard(model, mesh=parallel.mesh)
+
+
 # ------------------------------------------------------------------------------------ optimizer
 def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig,
-                    process_group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+                    distributed_mesh: Any = None) -> torch.optim.Optimizer:
     """``name``'s optimizer over ``orthoptim.param_groups(model)``: matrices get the named rule;
     embeddings, the head, norms get AdamW (no weight decay). The AdamW baseline is
     torch.optim.AdamW over the very same groups (weight decay on the matrices only).
-    Under torchrun, ``process_group`` lets each rank orthogonalize a share of the matrices."""
+
+    ``distributed_mesh``: under DDP the process group, so each rank orthogonalizes a share of the
+    matrices; under FSDP/HSDP the 1-D mesh the rows are sharded over (Dion: ``outer_shard_mesh``).
+    """
     lr = cfg.lr_for(name)
     groups = orthoptim.param_groups(model, scalar_lr=cfg.scalar_lr_value())
     for g in groups:
@@ -143,12 +197,19 @@ def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig,
     options: dict[str, Any] = {"lr": lr, "weight_decay": cfg.weight_decay}
     if name in ("dion3", "dion2"):
         options["fraction"] = cfg.fraction
+        options["selection_scope"] = cfg.selection_scope
     if name == "dion":
         options["rank_fraction"] = cfg.rank_fraction
     classes = {"dion3": orthoptim.Dion3, "dion2": orthoptim.Dion2, "dion": orthoptim.Dion,
                "muon": orthoptim.Muon, "normuon": orthoptim.NorMuon}
-    if process_group is not None and "distributed_mesh" in inspect.signature(classes[name]).parameters:
-        options["distributed_mesh"] = process_group  # otherwise every rank computes the whole (identical) update
+    if distributed_mesh is not None:
+        if name == "dion":
+            # Dion's sharded path needs the FSDP mesh; under DDP (a process group) every rank computes
+            # the whole (identical) low-rank update, as before.
+            if not isinstance(distributed_mesh, dist.ProcessGroup):
+                options["outer_shard_mesh"] = distributed_mesh
+        else:
+            options["distributed_mesh"] = distributed_mesh
     return classes[name](groups, **options)
 
 
@@ -224,6 +285,61 @@ def checkpoint_path(out_dir: Path, name: str) -> Path:
     return out_dir / "checkpoints" / f"{name}.pt"
 
 
+def _names_in_optimizer_order(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each optimizer parameter's name, in the order ``optimizer.state_dict()`` numbers them; the
+    names are those ``torch.distributed.checkpoint.state_dict`` keys the optimizer state by."""
+    name_of = {p: n for n, p in model.named_parameters()}  # a tied weight: its first name, as torch
+    return [name_of[p] for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, parallel: Parallel | None) -> tuple[dict, dict]:
+    """Model and optimizer state dicts with whole tensors, in the one-process format (optimizer state
+    keyed by position), so a checkpoint resumes under any layout and world size.
+
+    Under FSDP/HSDP every rank must call this (it gathers the shards); rank 0 gets the tensors, on
+    the CPU, and the other ranks empty dicts.
+    """
+    if parallel is None or not parallel.sharded:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    if not by_name:
+        return model_sd, {}
+    position = {n: i for i, n in enumerate(_names_in_optimizer_order(model, optimizer))}
+    optim_sd = {"state": {position[n]: v for n, v in by_name["state"].items()},
+                "param_groups": [{**g, "params": [position[n] for n in g["params"]]} for g in by_name["param_groups"]]}
+    return model_sd, optim_sd
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt: dict,
+                    parallel: Parallel | None) -> None:
+    """The inverse of ``full_state``: under FSDP/HSDP each rank keeps its shard of the whole tensors."""
+    if parallel is None or not parallel.sharded:
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, ckpt["model"], options=options)
+    names = _names_in_optimizer_order(model, optimizer)
+    saved = ckpt["optimizer"]
+    by_name = {"state": {names[i]: v for i, v in saved["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+
+
 def _new_history() -> dict[str, list]:
     return {"step": [], "train_loss": [], "time_s": [], "step_ms": [], "opt_ms": [], "grad_norm": [],
             "lr": [], "val_step": [], "val_loss": [], "val_time_s": []}
@@ -231,17 +347,29 @@ def _new_history() -> dict[str, list]:
 
 # ------------------------------------------------------------------------------------ one run
 def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at: int | None = None,
-          progress: Callable[[str, int, dict], None] | None = None) -> dict:
+          progress: Callable[[str, int, dict], None] | None = None, parallel: Parallel | None = None) -> dict:
     """Train one GPT with optimizer ``name``; resume from ``out_dir``'s checkpoint when there is one.
 
     Returns the run's record (summary numbers and the full history). With ``stop_at``, stops after
-    that step (checkpoint written) and returns the record with ``finished`` False.
+    that step (checkpoint written) and returns the record with ``finished`` False. ``parallel``:
+    the layout under torchrun (default DDP).
     """
     device = run_device(cfg)
     rank, world_size = world()
+    if world_size == 1:
+        parallel = None
+    elif parallel is None:
+        parallel = Parallel("ddp")
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config(data.vocab_size)).to(device)
-    optimizer = build_optimizer(name, model, cfg, dist.group.WORLD if world_size > 1 else None)
+    if parallel is not None and parallel.sharded:
+        # Every rank builds the same whole model from the seed and keeps its shard: the same weights
+        # as one process.
+        shard_model(model, parallel)
+        mesh = parallel.shard_mesh
+    else:
+        mesh = dist.group.WORLD if parallel is not None else None
+    optimizer = build_optimizer(name, model, cfg, mesh)
     for group in optimizer.param_groups:
         group["initial_lr"] = group["lr"]  # the peak lr; the schedule scales it each step
     clipped = clip_parameters(optimizer)
@@ -250,24 +378,25 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
 
     ckpt_file = checkpoint_path(out_dir, name)
     if ckpt_file.exists():
-        ckpt = torch.load(ckpt_file, map_location=device, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        # Sharded: each rank reads the whole file to the CPU and keeps its shard.
+        where = "cpu" if parallel is not None and parallel.sharded else device
+        ckpt = torch.load(ckpt_file, map_location=where, weights_only=False)
+        load_full_state(model, optimizer, ckpt, parallel)
         step, history, earlier_peak_mb = ckpt["step"], ckpt["history"], ckpt.get("peak_memory_mb", 0.0)
 
-    # Under torchrun: DDP averages the gradients of the ranks' shares of each batch in backward().
-    net = model if world_size == 1 else DistributedDataParallel(
+    # Under torchrun: DDP, or FSDP2 (model already sharded), averages the gradients of the ranks'
+    # shares of each batch in backward().
+    net = model if parallel is None or parallel.sharded else DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def save() -> None:
-        if rank != 0:
-            dist.barrier()  # wait until rank 0 has written it
-            return
-        save_torch(ckpt_file, {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                               "history": history, "config": asdict(cfg), "optimizer_name": name,
-                               "peak_memory_mb": max(earlier_peak_mb, peak_memory_mb(device)[0])})
+        model_sd, optim_sd = full_state(model, optimizer, parallel)  # every rank: FSDP gathers here
+        if rank == 0:
+            save_torch(ckpt_file, {"model": model_sd, "optimizer": optim_sd, "step": step,
+                                   "history": history, "config": asdict(cfg), "optimizer_name": name,
+                                   "peak_memory_mb": max(earlier_peak_mb, peak_memory_mb(device)[0])})
         if world_size > 1:
-            dist.barrier()
+            dist.barrier()  # the other ranks wait until rank 0 has written it
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -291,7 +420,11 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         with _autocast(cfg, device):
             _, loss = net(x, y)
         loss.backward()
+        # Under FSDP the gradients are DTensor shards; clip_grad_norm_ reduces their norms over the
+        # mesh, so this is the norm of the whole gradient, as on one process.
         grad_norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.clip) if cfg.clip > 0 else torch.zeros(())
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         _sync(device)
         t1 = time.perf_counter()
         optimizer.step()
