@@ -1,11 +1,11 @@
-"""Dion across ranks: compressed data-parallel sync (replicate_mesh), row sharding (outer_shard_mesh,
-FSDP2) and both at once equal one process that averages the gradients, exchanging only low-rank factors."""
+"""Dion across ranks: compressed data-parallel sync (replicate_mesh), FSDP2 sharding (outer_shard_mesh),
+tensor parallelism (inner_shard_mesh, rows or columns) and their 2-D combinations equal one process
+that averages the gradients, exchanging only low-rank factors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import orthoptim
@@ -14,7 +14,7 @@ from tests.distributed_harness import run_distributed
 
 REL_TOL = 1e-5  # fp32; the all-reduces sum in another order than one process does
 STEPS = 3
-SHAPES = [(18, 24), (18, 24), (40, 16), (3, 20)]  # uneven rows on 4 ranks, an empty shard, tall
+SHAPES = [(18, 24), (18, 24), (40, 16), (3, 20), (5, 3)]  # uneven rows/cols on 4 ranks, empty shards, tall
 HP = {"lr": 0.05, "rank_fraction": 0.5, "weight_decay": 0.1}
 
 
@@ -44,24 +44,52 @@ def _reference(replicas: int) -> list[torch.Tensor]:
     return [p.detach() for p in params]
 
 
-def _run(rank: int, world: int, layout: str) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+# Layout → (mesh shape, mesh dim names, placements of the matrices). "replicate" dims carry
+# different gradients per replica (compressed sync); "outer" is FSDP; "inner" is tensor parallelism.
+LAYOUTS = {
+    "replicate": ((None,), ("replicate",), None),
+    "outer": ((None,), ("outer",), ("S0",)),
+    "both": ((2, None), ("replicate", "outer"), ("R", "S0")),
+    "inner_cols": ((None,), ("inner",), ("S1",)),  # row-parallel linear: columns split
+    "inner_rows": ((None,), ("inner",), ("S0",)),  # column-parallel linear: rows split
+    "outer_x_inner": ((2, None), ("outer", "inner"), ("S0", "S1")),  # 2-D: FSDP rows x TP columns
+    "inner_x_outer": ((2, None), ("outer", "inner"), ("S1", "S0")),  # FSDP on dim 1, TP on dim 0
+    "replicate_x_inner": ((2, None), ("replicate", "inner"), ("R", "S1")),
+}
 
-    if layout == "replicate":
-        replicas, replicate_mesh, shard_mesh = world, init_device_mesh("cpu", (world,)), None
-    elif layout == "outer":
-        replicas, replicate_mesh, shard_mesh = 1, None, init_device_mesh("cpu", (world,))
-    else:  # 2-D: replicate x shard
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        replicas, replicate_mesh, shard_mesh = 2, mesh["replicate"], mesh["shard"]
-    replica = dist.get_rank(replicate_mesh.get_group()) if replicate_mesh is not None else 0
+
+def _mesh(world: int, layout: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names, _ = LAYOUTS[layout]
+    shape = tuple(world // 2 if s is None and len(shape) == 2 else (world if s is None else s) for s in shape)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _run(rank: int, world: int, layout: str) -> dict:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(world, layout)
+    names = mesh.mesh_dim_names
+    sub = {name: (mesh[name] if mesh.ndim > 1 else mesh) for name in names}
+    replicas = mesh.size(names.index("replicate")) if "replicate" in names else 1
+    replica = mesh.get_local_rank(names.index("replicate")) if "replicate" in names else 0
+    pattern = LAYOUTS[layout][2]
+    spec = {"R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
 
     def place(t: torch.Tensor) -> torch.Tensor:
-        return distribute_tensor(t, shard_mesh, [Shard(0)]) if shard_mesh is not None else t
+        if pattern is None:
+            return t
+        # The bias: Shard(0) over the first sharding dim. src_data_rank=None: no broadcast, each
+        # rank slices its own replica's tensor.
+        placements = [spec[x] for x in pattern] if t.ndim == 2 else \
+            [Shard(0) if i == next(j for j, x in enumerate(pattern) if x != "R") else Replicate()
+             for i in range(len(pattern))]
+        return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
     params = [nn.Parameter(place(t)) for t in _init()]
-    opt = orthoptim.Dion(_groups(params), replicate_mesh=replicate_mesh, outer_shard_mesh=shard_mesh, **HP)
+    opt = orthoptim.Dion(_groups(params), replicate_mesh=sub.get("replicate"), outer_shard_mesh=sub.get("outer"),
+                         inner_shard_mesh=sub.get("inner"), **HP)
     opt.comm_stats = CommStats()
     comm = []
     for step in range(STEPS):
@@ -75,20 +103,36 @@ def _run(rank: int, world: int, layout: str) -> dict:
     return {"errors": [float((a - b).norm() / b.norm()) for a, b in zip(got, want)], "comm": comm}
 
 
-@pytest.mark.parametrize(("layout", "world_size"), [("replicate", 2), ("replicate", 4), ("outer", 2),
-                                                    ("outer", 4), ("both", 4)])
-def test_dion_distributed_matches_averaged_gradients(layout, world_size):
-    results = run_distributed(_run, world_size, layout, timeout=180)
-    megabatches = 3  # (18, 24) x2, (40, 16), (3, 20)
-    # Per Dion megabatch: replicate → all-reduce B Q and Bᵀ P; outer → also the r×r Gram twice (CholeskyQR2).
-    per_batch = {"replicate": 2, "outer": 3, "both": 5}[layout]
-    verdicts = {"replicate": 1, "outer": 1, "both": 2}[layout]
-    gradient_sync = 0 if layout == "outer" else 1  # the AdamW bias, averaged by the optimizer
-    for rank, rec in enumerate(results):
-        assert max(rec["errors"]) <= REL_TOL, (rank, layout, rec["errors"])
-        for step in rec["comm"]:
-            assert step["all_reduce"]["calls"] == megabatches * per_batch + verdicts + gradient_sync, step
-            assert "all_gather" not in step and "all_to_all" not in step, step
+# All-reduces per Dion megabatch: B Q summed over column blocks (1) and averaged over replicas (1); the
+# r×r Gram of CholeskyQR2 over row blocks (2); Bᵀ P summed over row blocks (1), padded R over column
+# blocks (1), averaged over replicas (1). Verdicts: one tiny all-reduce per group gradients differ over.
+PER_BATCH = {"replicate": 2, "outer": 3, "both": 5, "inner_cols": 2, "inner_rows": 3, "outer_x_inner": 5,
+             "inner_x_outer": 5, "replicate_x_inner": 4}
+VERDICTS = {"replicate": 1, "outer": 1, "both": 2, "inner_cols": 1, "inner_rows": 1, "outer_x_inner": 2,
+            "inner_x_outer": 2, "replicate_x_inner": 2}
+
+
+def _run_layouts(rank: int, world: int, layouts: list[str]) -> dict:
+    # One set of processes for many layouts: spawning ranks costs more than the steps.
+    return {layout: _run(rank, world, layout) for layout in layouts}
+
+
+@pytest.mark.parametrize(("world_size", "layouts"), [
+    (2, ["replicate", "outer", "inner_cols", "inner_rows"]),
+    (4, ["replicate", "outer", "both", "inner_cols", "outer_x_inner", "inner_x_outer", "replicate_x_inner"]),
+])
+def test_dion_distributed_matches_averaged_gradients(world_size, layouts):
+    results = run_distributed(_run_layouts, world_size, layouts, timeout=240)
+    megabatches = len(set(SHAPES))
+    for layout in layouts:
+        gradient_sync = 1 if "replicate" in layout or layout == "both" else 0  # the AdamW bias, averaged by Dion
+        for rank, by_layout in enumerate(results):
+            rec = by_layout[layout]
+            assert max(rec["errors"]) <= REL_TOL, (rank, layout, rec["errors"])
+            for step in rec["comm"]:
+                expected = megabatches * PER_BATCH[layout] + VERDICTS[layout] + gradient_sync
+                assert step["all_reduce"]["calls"] == expected, (layout, step)
+                assert "all_gather" not in step and "all_to_all" not in step, (layout, step)
 
 
 def _bytes(rank: int, world: int) -> dict:
@@ -117,6 +161,28 @@ def test_compressed_sync_sends_low_rank_factors_not_gradients():
         assert sent < full_gradients
 
 
-def test_tensor_parallel_mesh_is_refused():
-    with pytest.raises(NotImplementedError, match="inner_shard_mesh"):
-        orthoptim.Dion([nn.Parameter(torch.randn(4, 4))], inner_shard_mesh=object())
+def _refusals(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("outer", "inner"))
+    messages = []
+    twice = nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh, [Shard(0), Shard(0)]))
+    for params, kwargs in [
+        ([twice], {"outer_shard_mesh": mesh["outer"], "inner_shard_mesh": mesh["inner"]}),
+        # sharded over a mesh Dion was not told about
+        ([nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh["outer"], [Shard(1)]))],
+         {"inner_shard_mesh": mesh["inner"]}),
+        ([nn.Parameter(distribute_tensor(torch.randn(8, 6), mesh["outer"], [Shard(0)]))], {}),
+    ]:
+        with pytest.raises(ValueError) as info:
+            orthoptim.Dion(params, **kwargs)
+        messages.append(str(info.value))
+    return messages
+
+
+def test_unsupported_dion_shardings_are_refused_by_name():
+    twice, unknown_mesh, no_mesh = run_distributed(_refusals, 2, timeout=60)[0]
+    assert "sharded twice along dim 0" in twice and "Shard(0)" in twice and "#0" in twice
+    assert "matches neither outer_shard_mesh nor inner_shard_mesh" in unknown_mesh
+    assert "outer_shard_mesh" in no_mesh and "inner_shard_mesh" in no_mesh

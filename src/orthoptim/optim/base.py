@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
+from orthoptim.distributed.factor_sharding import FactorSharding, factor_sharding
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, shard_rows
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
@@ -78,6 +79,7 @@ class _Matrix:
     rank: int
     layout: str  # see OrthonormalOptimizer._layout
     full_shape: tuple[int, int]  # the whole matrix's shape (differs from param.shape when row-sharded)
+    sharding: FactorSharding | None = None  # Dion's split of a sharded matrix ("factor_sharded")
 
 
 def _local(t: Tensor) -> Tensor:
@@ -156,10 +158,12 @@ class OrthonormalOptimizer(Optimizer):
     """Base class: validates groups up front, creates state eagerly, megabatches same-shape matrices."""
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], distributed_mesh: Any = None,
-                 replicate_mesh: Any = None) -> None:
+                 replicate_mesh: Any = None, inner_shard_mesh: Any = None) -> None:
         self._process_group = resolve_process_group(distributed_mesh)
         # Data parallel without DDP (Dion's compressed sync): this optimizer averages the gradients.
         self._replicate_group = resolve_process_group(replicate_mesh, "replicate_mesh")
+        # Dion's tensor-parallel mesh; its outer_shard_mesh is distributed_mesh.
+        self._inner_group = resolve_process_group(inner_shard_mesh, "inner_shard_mesh")
         self.comm_stats: CommStats | None = None  # opt-in: set to a CommStats() to count collectives
         full = {**COMMON_DEFAULTS, **defaults}
         validate_group(full, "the optimizer's defaults")
@@ -208,7 +212,13 @@ class OrthonormalOptimizer(Optimizer):
     def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
         where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
-        if self._process_group is None:
+        if self._layout(p, group) == "factor_sharded":
+            if self._process_group is None and self._inner_group is None:
+                raise ValueError(f"{where}: pass outer_shard_mesh=<its FSDP mesh> and/or "
+                                 "inner_shard_mesh=<its tensor-parallel mesh> to Dion")
+            factor_sharding(p, label, self._dion_meshes())
+            return
+        if self._process_group is None and self._inner_group is None:
             raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
         sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
         if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
@@ -219,6 +229,9 @@ class OrthonormalOptimizer(Optimizer):
                 f"{where}: its shard mesh dimension has {p.device_mesh.size(sharded[0])} ranks but "
                 f"distributed_mesh has {dist.get_world_size(self._process_group)}; pass the mesh (for HSDP "
                 "the shard sub-mesh, e.g. mesh['shard']) the parameter is sharded over")
+
+    def _dion_meshes(self) -> dict[str, dist.ProcessGroup | None]:
+        return {"outer_shard_mesh": self._process_group, "inner_shard_mesh": self._inner_group}
 
     def param_name(self, p: Tensor) -> str:
         """The parameter's name (from ``param_names``) or its position in the optimizer."""
@@ -366,13 +379,12 @@ class OrthonormalOptimizer(Optimizer):
             finite[nonempty] = torch.isfinite(extremes).all(-1)
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
         # diverge (and hang in the next collective).
-        for group in (self._process_group, self._replicate_group):
-            if group is not None:
-                bad_anywhere = (~finite).to(torch.int32)
-                dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=group)
-                if self.comm_stats is not None:
-                    self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
-                finite = bad_anywhere == 0
+        for group in self._verdict_groups(params):
+            bad_anywhere = (~finite).to(torch.int32)
+            dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=group)
+            if self.comm_stats is not None:
+                self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
+            finite = bad_anywhere == 0
         if bool(finite.all()):
             return work
         bad = {p for p, ok in zip(params, finite.tolist()) if not ok}
@@ -391,6 +403,26 @@ class OrthonormalOptimizer(Optimizer):
             )
         return [(g, [p for p in ps if p not in bad]) for g, ps in work]
 
+    def _verdict_groups(self, params: list[Tensor]) -> list[dist.ProcessGroup]:
+        """Every group over which gradients may differ: the optimizer's meshes and each mesh dimension
+        that shards a DTensor parameter (e.g. tensor parallelism next to FSDP). Groups with the same
+        ranks are reduced once; the order only depends on the meshes, so it is the same on every rank."""
+        groups = [g for g in (self._process_group, self._replicate_group, self._inner_group) if g is not None]
+        seen = {tuple(dist.get_process_group_ranks(g)) for g in groups}
+        meshes = {}
+        for p in params:
+            if isinstance(p, DTensor):
+                for dim, placement in enumerate(p.placements):
+                    if not isinstance(placement, Replicate):
+                        meshes.setdefault((tuple(p.device_mesh.mesh.flatten().tolist()), dim), (p.device_mesh, dim))
+        for key in sorted(meshes):
+            group = meshes[key][0].get_group(meshes[key][1])
+            ranks = tuple(dist.get_process_group_ranks(group))
+            if ranks not in seen:
+                seen.add(ranks)
+                groups.append(group)
+        return groups
+
     @staticmethod
     def _orthogonalizer(group: dict[str, Any]) -> Orthogonalizer:
         return get_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[group["algorithm"]])
@@ -408,6 +440,8 @@ class OrthonormalOptimizer(Optimizer):
         - "row_sharded": FSDP2 ``Shard(0)`` of a matrix over ``distributed_mesh`` (possibly replicated
           over other mesh dims, HSDP): rows are assembled at an owner rank and sent back;
         - "local": ``Shard(0)`` of a batch of matrices: each rank owns whole matrices, no communication;
+        - "factor_sharded": Dion's matrices sharded along rows and/or columns (FSDP, TP, both):
+          the blocks stay where they are and only low-rank factors are all-reduced;
         - "gathered": any other sharding (``Shard(1)``, FSDP x TP, heads/splits on row shards): the
           momentum and gradient are all-gathered, the rule runs on whole matrices with the work
           shared over ``distributed_mesh``, and each rank keeps its block of the result.
@@ -417,6 +451,9 @@ class OrthonormalOptimizer(Optimizer):
         sharded = [pl for pl in p.placements if not isinstance(pl, Replicate)]
         if not sharded:
             return "replicated"
+        if group["algorithm"] == "dion" and (p.ndim == 2 or group["flatten"]) and \
+                group["num_heads"] is None and group["split_sizes"] is None:
+            return "factor_sharded"
         if len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 0:
             if p.ndim == 3 and not group["flatten"]:
                 return "local"
@@ -439,6 +476,13 @@ class OrthonormalOptimizer(Optimizer):
                 x, m = _local(p), _local(state["momentum"])
                 grad = _local(p.grad)
                 grad = grad if grad.is_contiguous() else grad.contiguous()
+            if layout == "factor_sharded":
+                spec = factor_sharding(p, self.param_name(p), self._dion_meshes())
+                rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
+                shape = (spec.local_rows, spec.local_cols)
+                matrices.append(_Matrix(x.view(shape), grad.view(shape), m.view(shape), state["Q"][0, :, :rank], rank,
+                                        layout, (p.shape[0], math.prod(p.shape[1:])), spec))
+                continue
             if layout == "row_sharded":
                 # One local row block of the full matrix; blocks (heads, splits) are rejected up front.
                 full_rows, cols = p.shape[0], math.prod(p.shape[1:])
@@ -451,9 +495,6 @@ class OrthonormalOptimizer(Optimizer):
                 extra, rank = None, 0
                 if algorithm in ("normuon", "dion3"):
                     extra = _local(state["variance"]).view(-1)
-                elif algorithm == "dion":
-                    rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
-                    extra = state["Q"][0, :, :rank]
                 matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
                                         layout, (full_rows, cols)))
                 continue
@@ -474,7 +515,7 @@ class OrthonormalOptimizer(Optimizer):
         lr, wd = group["lr"], group["weight_decay"]
         # Keyed by the full shape, so every rank forms the same batches in the same order.
         for batch in megabatches(matrices, key=lambda m: (m.full_shape, m.param.dtype, m.param.device, m.rank,
-                                                           m.layout)):
+                                                           m.layout, m.sharding.key if m.sharding else None)):
             xs = [m.param for m in batch]
             gs = [m.grad for m in batch]
             ms = [m.momentum for m in batch]
@@ -484,7 +525,7 @@ class OrthonormalOptimizer(Optimizer):
             orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
             finish = None
             select = None
-            if layout == "row_sharded" and algorithm != "dion":
+            if layout == "row_sharded":
                 plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):
                     select = plan.select_rows(group["fraction"], group["selection_scope"])
@@ -510,15 +551,20 @@ class OrthonormalOptimizer(Optimizer):
                                    beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                    finish=finish, select=select, **common)
             else:
-                if layout == "row_sharded" or self._replicate_group is not None:
-                    factors = partial(sharded_low_rank_factors, full_rows=rows, stats=self.comm_stats,
-                                      outer=self._process_group if layout == "row_sharded" else None,
-                                      replicate=self._replicate_group)
+                spec, columns = batch[0].sharding, slice(None)
+                if spec is not None or self._replicate_group is not None:
+                    factors = partial(sharded_low_rank_factors, full_rows=rows, full_cols=cols, stats=self.comm_stats,
+                                      rows_group=spec.rows_group if spec else None,
+                                      cols_group=spec.cols_group if spec else None,
+                                      col_offset=spec.col_offset if spec else 0, replicate=self._replicate_group)
+                    if spec is not None:
+                        columns = slice(spec.col_offset, spec.col_offset + spec.local_cols)
                 else:
                     factors = partial(rules.low_rank_factors, qr_method=group["qr_method"])
                     if layout in ("replicated", "gathered"):
                         factors = self._share(factors)
-                rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors, **common)
+                rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors,
+                                  columns=columns, **common)
         for whole in gathered:
             whole.write_back(lr, wd)
 

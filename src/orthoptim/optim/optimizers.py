@@ -126,10 +126,13 @@ class Dion(OrthonormalOptimizer):
     """Dion: rank-r orthonormal updates (r = ceil(rank_fraction·min(m, n))) by one step of power
     iteration per optimizer step, with error feedback of what the low-rank update leaves out.
 
-    ``outer_shard_mesh``: the FSDP2 mesh of row-sharded (``Shard(0)``) parameters; only r×r and
-    n×r factors are all-reduced. ``replicate_mesh``: data parallelism without DDP — do not
-    all-reduce gradients yourself: Dion matrices all-reduce ``B Q`` and ``Bᵀ P`` (compressed sync,
-    the same result as averaging gradients first) and this optimizer averages every other gradient.
+    ``outer_shard_mesh`` (FSDP2) and ``inner_shard_mesh`` (tensor parallelism): the 1-D meshes that
+    shard parameters, along rows (``Shard(0)``) or columns (``Shard(1)``), one dim each; both at once
+    is 2-D sharding. Matrices are never assembled: only m×r, n×r and r×r factors are all-reduced.
+    A matrix sharded twice along the same dim is refused. ``replicate_mesh``: data parallelism
+    without DDP — do not all-reduce gradients yourself: Dion matrices all-reduce ``B Q`` and ``Bᵀ P``
+    (compressed sync, the same result as averaging gradients first) and this optimizer averages
+    every other gradient.
     """
 
     def __init__(
@@ -150,13 +153,8 @@ class Dion(OrthonormalOptimizer):
         inner_shard_mesh: Any = None,
     ) -> None:
         resolve_process_group(outer_shard_mesh, "outer_shard_mesh")  # a clear error for a wrong type
-        if inner_shard_mesh is not None:
-            raise NotImplementedError(
-                "inner_shard_mesh: tensor-parallel sharding is not supported in this version; "
-                "pass inner_shard_mesh=None (replicate_mesh and outer_shard_mesh are supported)"
-            )
         super().__init__(params, dict(
             algorithm="dion", lr=lr, rank_fraction=rank_fraction, mu=mu, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, qr_method=qr_method,
             flatten=flatten, nonfinite=nonfinite,
-        ), distributed_mesh=outer_shard_mesh, replicate_mesh=replicate_mesh)
+        ), distributed_mesh=outer_shard_mesh, replicate_mesh=replicate_mesh, inner_shard_mesh=inner_shard_mesh)

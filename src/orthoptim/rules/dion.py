@@ -41,21 +41,24 @@ def dion_update(
     scale: float,
     qr_method: str = "cholesky_qr",
     factors: Callable[[list[Tensor], list[Tensor]], Tensor] | None = None,
+    columns: slice = slice(None),
 ) -> None:
     """One Dion step for a megabatch of same-shape matrices with right factors Q ([n, r] views).
 
     ``factors`` computes [P; R] (default: ``low_rank_factors`` here; a distributed plan passes its own).
+    ``columns``: when the matrices are column blocks of larger ones, which rows of the whole Q (and of
+    the whole R that ``factors`` returns) match their columns.
     """
     momentum.accumulate_(momenta, grads, 1.0)  # B = M + G, held in M
     if factors is None:
         factors = partial(low_rank_factors, qr_method=qr_method)
     rows = momenta[0].shape[0]
-    pr = factors(momenta, right_factors)
+    pr = factors(momenta, [q[columns] for q in right_factors])
     p, r = pr[:, :rows], pr[:, rows:]
     for b, pi, ri in zip(momenta, p, r):
-        b.addmm_(pi, ri.mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
+        b.addmm_(pi, ri[columns].mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
     q_new = normalize_columns(r, eps)
     torch._foreach_copy_(right_factors, list(q_new.unbind(0)))
     weight_decay.decay_(params, lr, weight_decay_rate)
     for x, pi, qi in zip(params, p, q_new):
-        x.addmm_(pi.to(x.dtype), qi.mT.to(x.dtype), alpha=-lr * scale)
+        x.addmm_(pi.to(x.dtype), qi[columns].mT.to(x.dtype), alpha=-lr * scale)
