@@ -1,11 +1,13 @@
 """Shared pieces for measuring optimizer speed: GPT-shaped parameter sets, timing, accuracy.
 
-Used by ``benchmarks/step_time.py`` and ``orthoptim bench``. Timing reports every repeat so callers
-quote medians, never single runs.
+Used by ``benchmarks/ladder.py``, ``benchmarks/gram_vs_ns.py`` and ``orthoptim bench``; the FLOP,
+byte and memory counters are in ``orthoptim.benchmark_counts``. Timing reports every repeat so
+callers quote medians, never single runs.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -16,10 +18,14 @@ import torch
 from torch import Tensor
 
 import orthoptim
-from orthoptim.orthogonalize import svd_polar
+from orthoptim import kernels
+from orthoptim.orthogonalize import POLAR_EXPRESS, as_coefficients, svd_polar
+from orthoptim.orthogonalize._common import as_batch, normalize, working_dtype
 
 # d_model, layers: shapes of the matrices of GPT-style models of roughly these sizes (embeddings,
-# norms and the head are not matrices an orthonormal rule sees, so they are left out).
+# norms and the head are not matrices an orthonormal rule sees, so they are left out). MLP 4·d_model:
+# 124m 85 M matrix parameters (GPT-2 small), 1b 805 M (+ a 50k-token embedding ≈ 0.9 B),
+# 7b 6.4 B (Llama-7B's width and depth with a 4·d MLP instead of its 11008 SwiGLU).
 PRESETS: dict[str, tuple[int, int]] = {
     "d512": (512, 4),
     "d1024": (1024, 4),
@@ -37,16 +43,46 @@ def gpt_matrix_shapes(d_model: int, n_layers: int, mlp_ratio: int = 4) -> list[t
     return layer * n_layers
 
 
+def parse_set(spec: str) -> tuple[str, int, int, int]:
+    """A matrix set by name: (label, d_model, layers, the preset's layers).
+
+    ``"1b"`` is the preset; ``"1b:2"`` its widths with 2 layers only; ``"d64x3"`` any width and depth.
+    """
+    custom = re.fullmatch(r"d(\d+)x(\d+)", spec)
+    if custom:
+        d_model, layers = int(custom[1]), int(custom[2])
+        if d_model < 1 or layers < 1:
+            raise ValueError(f"set {spec!r}: width and layers must be positive")
+        return spec, d_model, layers, layers
+    name, colon, layers = spec.partition(":")
+    if name not in PRESETS:
+        raise ValueError(f"unknown set {spec!r}; use one of {', '.join(PRESETS)}, optionally with :LAYERS "
+                         "(e.g. 1b:2), or dWIDTHxLAYERS (e.g. d64x2)")
+    d_model, preset_layers = PRESETS[name]
+    if not colon:
+        return name, d_model, preset_layers, preset_layers
+    if not layers.isdigit() or int(layers) < 1:
+        raise ValueError(f"set {spec!r}: the layer count after ':' must be a positive integer")
+    n = int(layers)
+    return (name if n == preset_layers else f"{name}:{n}"), d_model, n, preset_layers
+
+
 def make_params(
     shapes: Sequence[tuple[int, ...]], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-    seed: int = 0,
+    seed: int = 0, on_device: bool = False,
 ) -> list[Tensor]:
-    """Parameters with fixed random gradients attached (timing does not need fresh gradients)."""
-    gen = torch.Generator().manual_seed(seed)
+    """Parameters with fixed random gradients attached (timing does not need fresh gradients).
+
+    ``on_device``: draw the numbers on ``device`` (a CUDA generator): billions of parameters take
+    minutes to draw on a CPU. The values then differ from the CPU-drawn ones of the same seed.
+    """
+    gen = torch.Generator(device=device if on_device else "cpu").manual_seed(seed)
+    where = device if on_device else "cpu"
     params = []
     for shape in shapes:
-        p = (torch.randn(shape, generator=gen) * 0.02).to(device=device, dtype=dtype).requires_grad_(True)
-        p.grad = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+        p = (torch.randn(shape, generator=gen, device=where) * 0.02).to(device=device, dtype=dtype)
+        p.requires_grad_(True)
+        p.grad = torch.randn(shape, generator=gen, device=where).to(device=device, dtype=dtype)
         params.append(p)
     return params
 
@@ -107,6 +143,32 @@ def orthogonalization_error(orthogonalize: Callable[[Tensor], Tensor], shape: tu
     exact = svd_polar(x.double())
     approx = orthogonalize(x).double()
     return float(torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact))
+
+
+def symmetric_newton_schulz(
+    x: Tensor,
+    coefficients: str | Sequence[Sequence[float]] = POLAR_EXPRESS,
+    *,
+    dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+) -> Tensor:
+    """Standard Newton-Schulz (as ``orthoptim.newton_schulz``) whose two symmetric products, A = X Xᵀ
+    and bA + cA², go through ``orthoptim.kernels`` (Triton lower-triangle kernels on CUDA when
+    ``ORTHOPTIM_KERNELS`` allows, the torch backend elsewhere). The ladder's "muon+sym" rung: what
+    the symmetric kernels alone buy before the Gram form changes the iteration."""
+    coeffs = as_coefficients(coefficients)
+    batch, lead = as_batch(x)
+    transposed = batch.shape[-2] > batch.shape[-1]
+    if transposed:
+        batch = batch.mT
+    X = normalize(batch, working_dtype(x, dtype, torch.bfloat16), eps)
+    for a, b, c in coeffs:
+        A = kernels.gram(X)
+        B = kernels.symmetric_polynomial(A, 0.0, b, c)  # bA + cA²
+        X = torch.baddbmm(X, B, X, beta=a)  # aX + BX
+    if transposed:
+        X = X.mT
+    return X.to(x.dtype).reshape(*lead, *X.shape[-2:])
 
 
 def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:

@@ -1,0 +1,448 @@
+"""The benchmark ladder: what one optimizer step costs on GPT-shaped matrix sets, rung by rung.
+
+    python benchmarks/ladder.py                                  # CPU: 124m:4, 1 thread (~4 min on one AVX2 core)
+    python benchmarks/ladder.py --sets 124m,1b:1 --json results/ladder.json --png results/ladder.png
+    python benchmarks/ladder.py --device cuda --sets 124m,1b,7b:8 --json out/ladder.json
+
+Rungs: AdamW (torch, foreach and fused: the memory floor), Muon with standard Newton-Schulz,
++ symmetric kernels, + Gram NS, Dion3 at fraction 1/2, 1/4, 1/8, Dion at rank 1/4, and
+torch.optim.Muon as an outside reference. Sets: the matrices of a GPT (q, k, v, o, MLP up and down
+per layer, nn.Linear layout) from ``orthoptim.benchmark.PRESETS``; ``NAME:L`` keeps the widths and
+takes L layers (a step's time, FLOPs and bytes grow linearly with L; ratios and passes do not
+change). 7b is GPU-only.
+
+Per rung: median ms of --repeats timed steps after --warmup untimed ones; ratios to muon and to
+adamw (foreach); then from one more, untimed step under the counters of
+``orthoptim.benchmark_counts``: matmul GFLOP/step, GB moved/step (each op charged its inputs and
+outputs once: an upper-bound traffic model), passes over parameter memory (bytes moved / bytes of
+the parameters; "ew" leaves out the matrix products), optimizer state bytes (× parameter bytes),
+peak transient bytes of the step beyond parameters, gradients and state (× the largest megabatch,
+the biggest group of same-shape matrices), and achieved GFLOP/s and GB/s. The device's own matmul
+and copy rates, measured at start, are printed to set them against. Single process: no
+communication (benchmarks/comm_table.py counts collectives on real ranks).
+
+Writes a markdown table (stdout), the ops that move the most bytes per rung, --json (rewritten
+after every rung, so a killed run keeps what it measured) and --png (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import orthoptim
+from orthoptim import kernels
+from orthoptim.benchmark import (
+    PRESETS,
+    gpt_matrix_shapes,
+    make_params,
+    median,
+    parse_set,
+    symmetric_newton_schulz,
+    time_steps,
+)
+from orthoptim.benchmark_counts import count_step, largest_megabatch_bytes, state_bytes, tensor_bytes
+from orthoptim.train.results import format_table, plots_available, save_figure, write_json
+
+CPU_SETS = "124m:4"
+CUDA_SETS = "124m,1b,7b:8"
+GPU_ONLY_SETS = {"7b"}
+
+COLUMNS = ["set", "optimizer", "median_ms", "vs_muon", "vs_adamw", "gflop", "gb_moved", "passes",
+           "elementwise_passes", "state_bytes", "state_ratio", "peak_transient_bytes", "transient_ratio",
+           "gflop_per_s", "gb_per_s", "note"]
+
+
+@dataclass
+class Rung:
+    name: str
+    make: Callable[[list[Tensor]], torch.optim.Optimizer]
+    note: str
+    cost: int  # execution order: cheap rungs first, so a time budget drops the slowest ones
+
+
+def _fused_adamw_works(device: torch.device) -> str | None:
+    """None when torch.optim.AdamW(fused=True) steps on ``device``, else why not."""
+    try:
+        p = torch.zeros(2, device=device, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    return None
+
+
+def _slow_bf16_matmul(device: torch.device) -> float | None:
+    """On CPU: how many times slower a bf16 matmul is than fp32 (None on CUDA). Without AVX-512 BF16
+    or AMX, torch multiplies bf16 through a slow path (~50x on AVX2), which is all torch.optim.Muon
+    does."""
+    if device.type != "cpu":
+        return None
+    a32 = torch.randn(256, 256)
+    a16 = a32.bfloat16()
+    t32 = median(time_steps(lambda: a32 @ a32, warmup=1, repeats=3))
+    t16 = median(time_steps(lambda: a16 @ a16, warmup=1, repeats=3))
+    return t16 / t32
+
+
+def _kernel_note(device: torch.device, sizes: list[int], dtype: torch.dtype) -> str:
+    """Which backend runs the symmetric products of side k, for each k the rung orthogonalizes."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    by_backend: dict[str, list[int]] = {}
+    for k in sorted(set(sizes)):
+        by_backend.setdefault(kernels.backend(probe, size=k), []).append(k)
+    if device.type != "cuda":
+        return "kernels: torch fallback (no Triton on CPU)"
+    if len(by_backend) == 1:
+        return f"kernels: {next(iter(by_backend))}"
+    return "kernels: " + ", ".join(f"{b} for k={'/'.join(map(str, ks))}" for b, ks in sorted(by_backend.items()))
+
+
+def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung]:
+    """Every rung, in table order. ``shapes`` only feeds the notes (which kernels run where)."""
+    cuda = device.type == "cuda"
+    short = [min(m, n) for m, n in shapes]
+    gram_sides = [min(m, n) for m, n in shapes if m != n]  # square matrices take standard NS
+    precision = "bf16" if cuda else "fp32"
+    out = {
+        "adamw": Rung("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
+                      "torch.optim.AdamW foreach: the memory floor", 0),
+        "adamw_fused": Rung("adamw_fused", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True),
+                            "torch.optim.AdamW fused", 0),
+        "muon": Rung("muon", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="polar_express"),
+                     f"standard NS, Polar Express, {precision}", 8),
+        "muon+sym": Rung("muon+sym", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer=symmetric_newton_schulz),
+                         f"standard NS, {precision}; " + _kernel_note(device, short, torch.bfloat16), 9),
+        "muon+gram": Rung("muon+gram", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="gram"),
+                          f"Gram NS, {'fp16' if cuda else 'fp32'}; "
+                          + _kernel_note(device, gram_sides, torch.float16), 7),
+    }
+    for label, f in (("1/2", 0.5), ("1/4", 0.25), ("1/8", 0.125)):
+        rows = [math.ceil(f * m) for m, n in shapes]
+        sides = [min(k, n) for k, (m, n) in zip(rows, shapes) if k != n]
+        out[f"dion3_f{label}"] = Rung(
+            f"dion3_f{label}", partial(orthoptim.Dion3, lr=0.01, fraction=f),
+            f"Gram NS on {label} of the rows; " + _kernel_note(device, sides, torch.float16),
+            {0.5: 5, 0.25: 3, 0.125: 1}[f])
+    out["dion_r1/4"] = Rung("dion_r1/4", partial(orthoptim.Dion, lr=0.01, rank_fraction=0.25),
+                            "rank ceil(min(m,n)/4), Cholesky-QR", 2)
+    out["torch_muon"] = Rung("torch_muon", lambda p: torch.optim.Muon(p, lr=0.01),
+                             "torch.optim.Muon (bf16 NS): outside reference", 6)
+    return out
+
+
+def environment(device: torch.device, threads: int) -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": str(device), "cpu": cpu,
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+           "torch": torch.__version__, "python": platform.python_version(),
+           "commit": git("rev-parse", "--short", "HEAD") or None,
+           "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+           "orthoptim_kernels": os.environ.get(kernels.ENV_VAR, "") or "auto"}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+    """Measured matmul GFLOP/s (fp32 on CPU, bf16 on CUDA: what Newton-Schulz runs in) and copy GB/s
+    (read + write) of large tensors: the rates the ladder's achieved rates are set against."""
+    cuda = device.type == "cuda"
+    n = 8192 if cuda else 2048
+    mm_dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=mm_dtype)
+    # The fastest of several runs: a limit, and a shared machine only ever slows a run down.
+    t = min(time_steps(lambda: a @ a, warmup=2, repeats=5, device=device))
+    numel = (1 << 28) if cuda else (1 << 25)
+    x = torch.empty(numel, device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    tc = min(time_steps(lambda: y.copy_(x), warmup=2, repeats=5, device=device))
+    return {"matmul_dtype": str(mm_dtype).removeprefix("torch."), "matmul_gflop_per_s": 2 * n**3 / t / 1e6,
+            "copy_gb_per_s": 2 * x.numel() * x.element_size() / tc / 1e6}
+
+
+def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
+             args: argparse.Namespace) -> dict[str, Any]:
+    params = make_params(shapes, device=device, dtype=dtype, seed=args.seed, on_device=device.type == "cuda")
+    opt = rung.make(params)
+    for _ in range(args.warmup):
+        opt.step()
+    counts = count_step(opt.step, params, device)  # untimed: the counters slow the step down
+    times = time_steps(opt.step, warmup=0, repeats=args.repeats, device=device)
+    mb = largest_megabatch_bytes(params)
+    param_bytes = tensor_bytes(params)
+    st = state_bytes(opt)
+    ms = median(times)
+    row = {
+        "median_ms": ms, "times_ms": times, "flops": counts.flops, "gflop": counts.flops / 1e9,
+        "bytes_moved": counts.bytes_moved, "gb_moved": counts.bytes_moved / 1e9, "passes": counts.passes,
+        "elementwise_passes": counts.elementwise_passes, "state_bytes": st, "state_ratio": st / param_bytes,
+        "peak_transient_bytes": counts.peak_transient_bytes, "transient_ratio": counts.peak_transient_bytes / mb,
+        "transient_source": counts.transient_source, "gflop_per_s": counts.flops / ms / 1e6,
+        "gb_per_s": counts.bytes_moved / ms / 1e6,
+        "top_ops": [{"op": op, "passes": p, "calls": c} for op, p, c in counts.top_ops(args.top_ops)],
+        "ops": counts.ops,
+    }
+    del opt, params
+    return row
+
+
+def skipped(set_name: str, rung: Rung, why: str) -> dict[str, Any]:
+    row: dict[str, Any] = {c: None for c in COLUMNS}
+    row.update(set=set_name, optimizer=rung.name, note=f"skipped: {why}", times_ms=[], top_ops=[], ops={})
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    ref = {r["optimizer"]: r["median_ms"] for r in rows if r["median_ms"] is not None}
+    for r in rows:
+        ms = r["median_ms"]
+        r["vs_muon"] = ms / ref["muon"] if ms is not None and "muon" in ref else None
+        r["vs_adamw"] = ms / ref["adamw"] if ms is not None and "adamw" in ref else None
+
+
+def _fmt(value: Any, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    head = ["set", "optimizer", "median ms", "vs muon", "vs adamw", "GFLOP/step", "GB moved", "passes (ew)",
+            "state MB (×params)", "peak transient MB (×megabatch)", "GFLOP/s", "GB/s", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|"]
+    for r in rows:
+        if r["median_ms"] is None:
+            cells = [r["set"], r["optimizer"]] + ["-"] * (len(head) - 3) + [r["note"]]
+        else:
+            cells = [r["set"], r["optimizer"], _fmt(r["median_ms"], ".1f"), _fmt(r["vs_muon"], ".3f"),
+                     _fmt(r["vs_adamw"], ".2f"), _fmt(r["gflop"], ".1f"), _fmt(r["gb_moved"], ".2f"),
+                     f"{r['passes']:.1f} ({r['elementwise_passes']:.1f})",
+                     f"{r['state_bytes'] / 2**20:.0f} ({r['state_ratio']:.3f})",
+                     f"{r['peak_transient_bytes'] / 2**20:.0f} ({r['transient_ratio']:.2f})",
+                     _fmt(r["gflop_per_s"], ".1f"), _fmt(r["gb_per_s"], ".1f"), r["note"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def top_ops_table(rows: list[dict[str, Any]]) -> str:
+    body = [[r["set"], r["optimizer"], ", ".join(f"{o['op']} {o['passes']:.1f} ({o['calls']})" for o in r["top_ops"])]
+            for r in rows if r["top_ops"]]
+    return format_table(["set", "optimizer", "ops moving the most bytes: passes (calls)"], body,
+                        right=[False, False, False])
+
+
+def plot(rows: list[dict[str, Any]], sets: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["optimizer"] for r in rows))
+    width = 0.8 / max(len(sets), 1)
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.0 * len(names) + 2), 4.8))
+    colors = ["#3a7bd5", "#e07b39", "#5aa469", "#8e6bbf"]
+    skipped_at: list[float] = []
+    for j, s in enumerate(sets):
+        by_name = {r["optimizer"]: r for r in rows if r["set"] == s}
+        xs, ys, labels = [], [], []
+        for i, n in enumerate(names):
+            r = by_name.get(n)
+            x = i + (j - (len(sets) - 1) / 2) * width
+            if r is not None and r["median_ms"] is not None:
+                xs.append(x)
+                ys.append(r["median_ms"])
+                labels.append(r["median_ms"])
+            elif r is not None:
+                skipped_at.append(x)
+        bars = ax.bar(xs, ys, width=width * 0.95, color=colors[j % len(colors)], label=s)
+        for bar, ms in zip(bars, labels):
+            text = f"{ms:,.0f}" if ms >= 10 else f"{ms:.2g}"
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=6.5, rotation=90 if len(sets) > 1 else 0, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("optimizer.step() median, ms (log scale)")
+    top = max((r["median_ms"] for r in rows if r["median_ms"] is not None), default=1.0)
+    ax.set_ylim(top=top * 4)
+    for x in skipped_at:
+        ax.annotate("skipped", (x, ax.get_ylim()[0]), ha="center", va="bottom", fontsize=6.5, rotation=90,
+                    color="#777777", xytext=(0, 3), textcoords="offset points")
+    ax.grid(axis="y", alpha=0.3, which="both")
+    ax.legend(fontsize=8, title="matrix set", title_fontsize=8, loc="upper left")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", default=None,
+                        help=f"comma list of NAME, NAME:LAYERS (NAME from {', '.join(PRESETS)}) or dWIDTHxLAYERS "
+                             f"(default: {CPU_SETS} on CPU, {CUDA_SETS} on CUDA)")
+    parser.add_argument("--optimizers", default=None, help="comma list of rungs (default: all)")
+    parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameters and state")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 CPU, 3 CUDA)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps (default: 3 CPU, 10 CUDA)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no new rung after this many seconds (the rest are listed as skipped)")
+    parser.add_argument("--top-ops", type=int, default=4, help="ops listed per rung in the bytes breakdown")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--png", default=None, help="bar chart of median ms here (needs matplotlib)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device {device}: CUDA is not available to this torch ({torch.__version__})")
+    if args.png and not plots_available():
+        parser.error("--png needs matplotlib (pip install matplotlib, or pip install orthoptim[plot])")
+    args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    args.repeats = args.repeats if args.repeats is not None else (10 if cuda else 3)
+    for flag, value, low in (("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
+                             ("--threads", args.threads, 1), ("--top-ops", args.top_ops, 0)):
+        if value < low:
+            parser.error(f"{flag} {value} must be >= {low}")
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    try:
+        sets = [parse_set(s) for s in (args.sets or (CUDA_SETS if cuda else CPU_SETS)).split(",") if s]
+    except ValueError as e:
+        parser.error(str(e))
+    known = list(rungs(device, [(2, 2)]))
+    wanted = args.optimizers.split(",") if args.optimizers else known
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        parser.error(f"unknown optimizers {unknown}; known: {', '.join(known)}")
+
+    env = environment(device, torch.get_num_threads())
+    say = partial(print, file=sys.stderr, flush=True)
+    say(f"ladder: {device}{' (' + env['gpu'] + ')' if cuda else ''}, {args.dtype}, "
+        f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, {args.warmup} warm-up + 1 counted "
+        f"+ {args.repeats} timed steps per rung")
+    limits = device_limits(device, dtype)
+    say(f"ladder: device limits measured here: matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s "
+        f"({limits['matmul_dtype']}), copy {limits['copy_gb_per_s']:.1f} GB/s")
+    no_fused = _fused_adamw_works(device)
+    bf16_slowdown = _slow_bf16_matmul(device)
+    started = time.time()
+    results: dict[str, Any] = {"environment": env, "device_limits": limits, "dtype": args.dtype,
+                               "warmup": args.warmup, "repeats": args.repeats, "columns": COLUMNS,
+                               "sets": {}, "rows": []}
+
+    def save() -> None:
+        if args.json:
+            results["wall_s"] = time.time() - started
+            write_json(args.json, results)
+
+    set_labels = []
+    for label, d_model, layers, full in sets:
+        shapes = gpt_matrix_shapes(d_model, layers)
+        if label.partition(":")[0] in GPU_ONLY_SETS and not cuda:
+            say(f"ladder: skipping {label}: the 7B-like set is GPU-only ({sum(m * n for m, n in shapes) / 1e9:.1f} B "
+                "parameters; one Muon step would take hours on a CPU)")
+            continue
+        set_labels.append(label)
+        all_rungs = rungs(device, shapes)
+        param_bytes = sum(m * n for m, n in shapes) * dtype.itemsize
+        info = {"d_model": d_model, "layers": layers, "preset_layers": full,
+                "matrices": len(shapes), "parameters": sum(m * n for m, n in shapes), "param_bytes": param_bytes,
+                "largest_megabatch_bytes": max(
+                    sum(m * n for m, n in shapes if (m, n) == s) for s in set(shapes)) * dtype.itemsize,
+                "shapes": sorted({f"{m}x{n}" for m, n in shapes})}
+        results["sets"][label] = info
+        say(f"ladder: set {label}: d_model {d_model}, {layers} of {full} layers, {len(shapes)} matrices, "
+            f"{info['parameters'] / 1e6:.1f} M parameters ({param_bytes / 2**20:.0f} MiB)")
+        rows: dict[str, dict[str, Any]] = {}
+        for rung in sorted((all_rungs[n] for n in wanted), key=lambda r: r.cost):
+            why = None
+            if rung.name == "adamw_fused" and no_fused:
+                why = f"fused AdamW does not run on {device.type} ({no_fused})"
+            elif rung.name == "torch_muon" and not hasattr(torch.optim, "Muon"):
+                why = f"torch {torch.__version__} has no torch.optim.Muon"
+            elif rung.name == "torch_muon" and bf16_slowdown and bf16_slowdown > 5 and not args.optimizers:
+                why = (f"bf16 matmul is {bf16_slowdown:.0f}x slower than fp32 on this CPU "
+                       f"({env['cpu_capability']}); list it in --optimizers to run it anyway")
+            elif args.budget_s is not None and time.time() - started > args.budget_s:
+                why = f"time budget of {args.budget_s:g} s spent"
+            if why:
+                row = skipped(label, rung, why)
+                say(f"  {label:>8} {rung.name:<12} {row['note']}")
+            else:
+                row = {"set": label, "optimizer": rung.name, "note": rung.note}
+                t0 = time.time()
+                try:
+                    row.update(run_rung(rung, shapes, device, dtype, args))
+                except torch.cuda.OutOfMemoryError:
+                    row = skipped(label, rung, "out of GPU memory")
+                if cuda:
+                    torch.cuda.empty_cache()
+                if row["median_ms"] is not None:
+                    say(f"  {label:>8} {rung.name:<12} {row['median_ms']:10.1f} ms  {row['gflop']:8.1f} GFLOP  "
+                        f"{row['passes']:5.1f} passes  ({time.time() - t0:.0f} s)")
+                else:
+                    say(f"  {label:>8} {rung.name:<12} {row['note']}")
+            rows[rung.name] = row
+            ordered = [rows[n] for n in wanted if n in rows]
+            add_ratios(ordered)
+            results["rows"] = [r for r in results["rows"] if r["set"] != label] + ordered
+            save()
+
+    rows_out = results["rows"]
+    print(f"\noptimizer.step() ladder: {device}{' (' + env['gpu'] + ')' if cuda else ''}, {args.dtype}, "
+          f"{env['threads']} thread(s), torch {env['torch']}, commit {env['commit']}"
+          f"{' (+ uncommitted changes)' if env['uncommitted_changes'] else ''}; medians of {args.repeats} "
+          f"after {args.warmup} warm-up; device: matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s "
+          f"{limits['matmul_dtype']}, copy {limits['copy_gb_per_s']:.1f} GB/s\n")
+    for label in set_labels:
+        info = results["sets"][label]
+        print(f"- {label}: d_model {info['d_model']}, {info['layers']} of {info['preset_layers']} layers, "
+              f"{info['parameters'] / 1e6:.1f} M parameters = {info['param_bytes'] / 2**20:.0f} MiB, largest "
+              f"megabatch {info['largest_megabatch_bytes'] / 2**20:.0f} MiB")
+    print()
+    print(markdown_table(rows_out))
+    print("\npasses: bytes moved / parameter bytes (ew: without matrix products); transient: peak bytes allocated "
+          "during the step beyond parameters, gradients and state "
+          f"({'CUDA allocator' if cuda else 'dispatch-level tracker'})\n")
+    if args.top_ops:
+        print(top_ops_table(rows_out))
+    if args.png:
+        title = (f"optimizer.step() median, {env.get('gpu', env['cpu'])}, {env['threads']} thread(s), "
+                 f"{args.dtype}, torch {env['torch']}")
+        plot(rows_out, set_labels, Path(args.png), title)
+        print(f"\nwrote {args.png}")
+    save()
+    if args.json:
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The step counters (FLOPs, bytes moved, transient memory, state bytes) against known answers, and a
+smoke run of benchmarks/ladder.py on a tiny set."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import orthoptim
+from orthoptim.benchmark import gpt_matrix_shapes, make_params, parse_set, symmetric_newton_schulz
+from orthoptim.benchmark_counts import (
+    TrafficMode,
+    count_step,
+    largest_megabatch_bytes,
+    megabatch_bytes,
+    state_bytes,
+    tensor_bytes,
+)
+
+F32 = 4
+
+
+def test_matmul_flops_and_bytes_are_exact():
+    a, b = torch.randn(64, 32), torch.randn(32, 16)
+    counts = count_step(lambda: a @ b, [a])
+    assert counts.flops == 2 * 64 * 32 * 16
+    assert counts.bytes_moved == (64 * 32 + 32 * 16 + 64 * 16) * F32  # read a and b, write the product
+    assert counts.matmul_bytes == counts.bytes_moved and counts.elementwise_passes == 0
+    assert counts.passes == counts.bytes_moved / (64 * 32 * F32)
+
+
+def test_in_place_matmuls_and_factorizations_are_counted():
+    """FlopCounterMode alone misses addmm_ / baddbmm_ (Dion's error feedback and update) and linalg."""
+    a, b, c = torch.randn(64, 32), torch.randn(32, 16), torch.randn(64, 16)
+    assert count_step(lambda: c.addmm_(a, b), [c]).flops == 2 * 64 * 32 * 16
+    x, y, z = torch.randn(3, 8, 5), torch.randn(3, 5, 7), torch.randn(3, 8, 7)
+    assert count_step(lambda: z.baddbmm_(x, y), [z]).flops == 2 * 3 * 8 * 5 * 7
+    lower = torch.eye(16) + torch.randn(16, 16).tril(-1) * 0.1
+    rhs = torch.randn(32, 16)
+    solve = count_step(lambda: torch.linalg.solve_triangular(lower.mT, rhs, upper=True, left=False), [rhs])
+    assert solve.flops == 16 * 16 * 32
+
+
+def test_elementwise_bytes():
+    n = 1000
+    x, y = torch.randn(n), torch.randn(n)
+    assert count_step(lambda: x.add_(y), [x]).bytes_moved == 3 * n * F32  # read x, y; write x
+    assert count_step(lambda: x + y, [x]).bytes_moved == 3 * n * F32  # read x, y; write the sum
+    assert count_step(lambda: x.copy_(y), [x]).bytes_moved == 2 * n * F32  # copy_ does not read x
+    assert count_step(lambda: x.view(10, 100).mT, [x]).bytes_moved == 0  # views are free
+    xs, ys = [torch.randn(n) for _ in range(3)], [torch.randn(n) for _ in range(3)]
+    counts = count_step(lambda: torch._foreach_add_(xs, ys), xs)
+    assert counts.bytes_moved == 3 * 3 * n * F32 and counts.passes == 3.0
+
+
+def test_gathers_and_scatters_touch_only_the_selected_rows():
+    m = torch.randn(100, 50)
+    idx = torch.tensor([3, 7, 11])
+    rows = torch.randn(3, 50)
+    index_bytes = 3 * 8
+    assert count_step(lambda: m.index_select(0, idx), [m]).bytes_moved == 2 * 3 * 50 * F32 + index_bytes
+    assert count_step(lambda: m.index_copy_(0, idx, rows), [m]).bytes_moved == 2 * 3 * 50 * F32 + index_bytes
+    assert count_step(lambda: m.index_add_(0, idx, rows), [m]).bytes_moved == 3 * 3 * 50 * F32 + index_bytes
+
+
+def test_transient_of_a_known_temporary():
+    n = 1 << 20
+
+    def step():
+        a = torch.empty(n, dtype=torch.uint8)
+        b = torch.empty(n, dtype=torch.uint8)
+        del a
+        c = torch.empty(n, dtype=torch.uint8)  # reuses a's bytes: the peak stays at two buffers
+        del b, c
+
+    counts = count_step(step, [torch.zeros(1)])
+    assert counts.peak_transient_bytes == 2 * n
+    assert counts.transient_source == "dispatch tracker"
+
+
+def test_transient_released_before_the_step_ends_and_views_are_not_allocations():
+    x = torch.randn(256, 256)
+    with TrafficMode() as mode:
+        y = x * 2  # one new buffer
+        view = y.mT  # a view: no allocation
+        x.mul_(3)  # in place: no allocation
+        assert mode.live_bytes == x.numel() * F32
+        del y
+        assert mode.live_bytes == x.numel() * F32  # the view keeps the buffer alive
+        del view
+    assert mode.live_bytes == 0 and mode.peak_bytes == x.numel() * F32
+
+
+def test_state_bytes_match_the_design():
+    shapes = gpt_matrix_shapes(16, 1)
+    params = make_params(shapes)
+    p_bytes = tensor_bytes(params)
+    rows = sum(m for m, _ in shapes)
+    assert state_bytes(orthoptim.Muon(params)) == p_bytes
+    assert state_bytes(orthoptim.Dion3(params)) == p_bytes + F32 * rows  # one fp32 variance per row
+    rank = [max(1, math.ceil(min(m, n) / 4)) for m, n in shapes]
+    dion = orthoptim.Dion(params, rank_fraction=0.25)
+    assert state_bytes(dion) == p_bytes + sum(n * r * F32 for (_, n), r in zip(shapes, rank))
+    adamw = torch.optim.AdamW(params, foreach=True)
+    adamw.step()  # torch creates AdamW's state on the first step
+    assert state_bytes(adamw) == 2 * p_bytes  # the 0-dim step counters are not counted
+
+
+def test_megabatches():
+    params = make_params([(4, 8)] * 3 + [(8, 4)] * 2 + [(4, 8)])
+    groups = megabatch_bytes(params)
+    assert sorted(groups.values()) == [2 * 32 * F32, 4 * 32 * F32]
+    assert largest_megabatch_bytes(params) == 4 * 32 * F32
+
+
+def test_muon_step_counts():
+    """One Muon step on one k×n matrix: exactly 5 Polar Express iterations of 2k²n + 2k³ + 2k²n FLOPs;
+    momentum and update move at least 5 passes; the state is the momentum."""
+    k, n = 8, 16
+    params = make_params([(k, n)])
+    opt = orthoptim.Muon(params)
+    opt.step()
+    counts = count_step(opt.step, params)
+    assert counts.flops == 5 * (4 * k * k * n + 2 * k**3)
+    assert counts.elementwise_passes >= 5
+    assert counts.peak_transient_bytes >= k * n * F32  # at least the orthogonalized update
+    ops = counts.ops
+    assert ops["bmm"]["calls"] == 5 and ops["baddbmm"]["calls"] == 10
+
+
+def test_symmetric_newton_schulz_equals_standard():
+    x = torch.randn(3, 12, 20)
+    assert torch.allclose(symmetric_newton_schulz(x), orthoptim.newton_schulz(x), atol=1e-6)
+    assert torch.allclose(symmetric_newton_schulz(x.mT), orthoptim.newton_schulz(x.mT), atol=1e-6)
+
+
+def test_parse_set():
+    assert parse_set("124m") == ("124m", 768, 12, 12)
+    assert parse_set("1b:2") == ("1b:2", 2048, 2, 16)
+    assert parse_set("1b:16") == ("1b", 2048, 16, 16)
+    assert parse_set("d64x3") == ("d64x3", 64, 3, 3)
+    for bad in ("huge", "1b:0", "1b:x"):
+        with pytest.raises(ValueError):
+            parse_set(bad)
+
+
+def _ladder():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ladder.py"
+    spec = importlib.util.spec_from_file_location("ladder", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ladder"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ladder_smoke(tmp_path, capsys):
+    ladder = _ladder()
+    out = tmp_path / "ladder.json"
+    assert ladder.main(["--sets", "d32x1,7b", "--device", "cpu", "--warmup", "1", "--repeats", "1",
+                        "--json", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "| set | optimizer | median ms |" in printed.out
+    assert "skipping 7b" in printed.err  # GPU-only
+    results = json.loads(out.read_text())
+    expected = ["adamw", "adamw_fused", "muon", "muon+sym", "muon+gram", "dion3_f1/2", "dion3_f1/4", "dion3_f1/8",
+                "dion_r1/4", "torch_muon"]
+    assert [r["optimizer"] for r in results["rows"]] == expected
+    assert list(results["sets"]) == ["d32x1"]
+    for r in results["rows"]:
+        assert set(results["columns"]) <= set(r), r["optimizer"]
+        if r["median_ms"] is None:
+            assert r["note"].startswith("skipped:") and r["optimizer"] in ("adamw_fused", "torch_muon")
+            continue
+        assert r["median_ms"] > 0 and r["passes"] > 0 and r["state_bytes"] > 0
+    rows = {r["optimizer"]: r for r in results["rows"]}
+    assert rows["muon"]["vs_muon"] == pytest.approx(1.0) and rows["adamw"]["vs_adamw"] == pytest.approx(1.0)
+    assert rows["muon"]["state_ratio"] == pytest.approx(1.0) and rows["adamw"]["state_ratio"] == pytest.approx(2.0)
+    assert rows["muon"]["gflop"] > rows["dion3_f1/4"]["gflop"] > 0 and rows["adamw"]["gflop"] == 0
+    assert "torch fallback" in rows["muon+sym"]["note"]
+    assert results["environment"]["threads"] == 1
