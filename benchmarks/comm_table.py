@@ -2,8 +2,8 @@
 
     python benchmarks/comm_table.py --set d512 --world 2 --json results/comm_table.json
 
-For each optimizer and layout (FSDP2 Shard(0) rows, DDP-replicated), one step runs with
-``opt.comm_stats`` attached; the table lists calls and MiB sent per rank for each collective kind.
+For each optimizer and layout (FSDP2 Shard(0) rows, tensor-parallel Shard(1) columns, DDP-replicated),
+one step runs with ``opt.comm_stats`` attached; the table lists calls and MiB sent per rank for each collective kind.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ OPTIMIZERS = {
     "dion3 f=1/2": lambda params, mesh: orthoptim.Dion3(params, fraction=0.5, distributed_mesh=mesh),
     "dion3 f=1/4": lambda params, mesh: orthoptim.Dion3(params, fraction=0.25, distributed_mesh=mesh),
     "dion3 f=1/8": lambda params, mesh: orthoptim.Dion3(params, fraction=0.125, distributed_mesh=mesh),
-    "dion r=1/4 (outer)": lambda params, mesh: orthoptim.Dion(params, rank_fraction=0.25, outer_shard_mesh=mesh),
+    "dion r=1/4": lambda params, mesh: orthoptim.Dion(params, rank_fraction=0.25, distributed_mesh=mesh),
 }
+DION_TP = lambda params, mesh: orthoptim.Dion(params, rank_fraction=0.25, inner_shard_mesh=mesh)  # noqa: E731
+PLACEMENT = {"fsdp": 0, "tp": 1}  # the sharded dim of each matrix
 
 
 def _worker(rank: int, world: int, port: int, preset: str, out: str) -> None:
@@ -41,17 +43,18 @@ def _worker(rank: int, world: int, port: int, preset: str, out: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     shapes = gpt_matrix_shapes(*PRESETS[preset])
     rows = []
-    for layout in ("fsdp", "ddp"):
+    for layout in ("fsdp", "tp", "ddp"):
         for name, make in OPTIMIZERS.items():
-            if layout == "ddp" and "outer" in name:
-                continue
+            if layout == "tp" and name.startswith("dion r"):
+                make = DION_TP
             gen = torch.Generator().manual_seed(0)
             full = [torch.randn(s, generator=gen) for s in shapes]
             grads = [torch.randn(s, generator=gen) for s in shapes]
-            if layout == "fsdp":
-                params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)])) for t in full]
+            if layout in PLACEMENT:
+                placements = [Shard(PLACEMENT[layout])]
+                params = [torch.nn.Parameter(distribute_tensor(t, mesh, placements)) for t in full]
                 for p, g in zip(params, grads):
-                    p.grad = distribute_tensor(g, mesh, [Shard(0)])
+                    p.grad = distribute_tensor(g, mesh, placements)
             else:
                 params = [torch.nn.Parameter(t) for t in full]
                 for p, g in zip(params, grads):

@@ -35,6 +35,7 @@ CONFIGS = {
     "muon": (orthoptim.Muon, {"nesterov": True}),
     "normuon": (orthoptim.NorMuon, {}),
     "dion_group": (orthoptim.Dion3, {"algorithm": "dion", "rank_fraction": 0.5}),
+    "dion": (orthoptim.Dion, {"rank_fraction": 0.5}),
 }
 
 

@@ -132,7 +132,9 @@ class Dion(OrthonormalOptimizer):
     A matrix sharded twice along the same dim is refused. ``replicate_mesh``: data parallelism
     without DDP — do not all-reduce gradients yourself: Dion matrices all-reduce ``B Q`` and ``Bᵀ P``
     (compressed sync, the same result as averaging gradients first) and this optimizer averages
-    every other gradient.
+    every other gradient. ``distributed_mesh``: the other optimizers' name for the same thing as
+    ``outer_shard_mesh``; under DDP (replicated parameters, a ``ProcessGroup``) each rank computes
+    the factors of its share of every megabatch and one all-gather returns the rest.
     """
 
     def __init__(
@@ -151,8 +153,14 @@ class Dion(OrthonormalOptimizer):
         replicate_mesh: Any = None,
         outer_shard_mesh: Any = None,
         inner_shard_mesh: Any = None,
+        distributed_mesh: Any = None,
     ) -> None:
         resolve_process_group(outer_shard_mesh, "outer_shard_mesh")  # a clear error for a wrong type
+        if distributed_mesh is not None:
+            if outer_shard_mesh is not None:
+                raise ValueError("pass either distributed_mesh (DDP: a ProcessGroup) or outer_shard_mesh (FSDP2), "
+                                 "not both; for Dion they are the same mesh")
+            outer_shard_mesh = distributed_mesh
         super().__init__(params, dict(
             algorithm="dion", lr=lr, rank_fraction=rank_fraction, mu=mu, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, qr_method=qr_method,
