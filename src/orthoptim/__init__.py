@@ -6,15 +6,27 @@
 """
 
 from orthoptim.grouping import describe_assignment, explain, param_groups
-from orthoptim.optim import Dion, Dion2, Dion3, Muon, NonFiniteGradientError, NorMuon, OrthonormalOptimizer
+from orthoptim.optim import (
+    CapturedStep,
+    Dion,
+    Dion2,
+    Dion3,
+    HostSyncCounter,
+    Muon,
+    NonFiniteGradientError,
+    NorMuon,
+    OrthonormalOptimizer,
+)
 from orthoptim.orthogonalize import gram_newton_schulz, newton_schulz, svd_polar
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CapturedStep",
     "Dion",
     "Dion2",
     "Dion3",
+    "HostSyncCounter",
     "Muon",
     "NonFiniteGradientError",
     "NorMuon",

@@ -65,11 +65,13 @@ def sharded_low_rank_factors(
     cols_group: dist.ProcessGroup | None = None,
     full_cols: int | None = None,
     col_offset: int = 0,
+    sync_free: bool = False,
 ) -> Tensor:
     """[P_local; R] stacked along rows, [B, rows_local + n, r]: the distributed ``low_rank_factors``.
 
     ``momenta`` are this rank's blocks of B, ``right_factors`` the matching row blocks of Q; R comes
-    back whole (n = ``full_cols`` rows), identical on every rank.
+    back whole (n = ``full_cols`` rows), identical on every rank. ``sync_free``: the Householder
+    fallback is computed every step and chosen per matrix on the device (no host read-back).
     """
     work = momenta[0].dtype if momenta[0].dtype in (torch.float32, torch.float64) else torch.float32
     p = torch.stack([b.to(work) @ q.to(work) for b, q in zip(momenta, right_factors)])
@@ -81,7 +83,10 @@ def sharded_low_rank_factors(
 
     q1, ok1 = cholesky_qr_pass(p, reduce_gram)
     q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q1), reduce_gram)
-    if not bool((ok1 & ok2).all()):
+    if sync_free:
+        fallback = _householder_rows(p, rows_group, full_rows, stats)
+        q2 = torch.where((ok1 & ok2)[:, None, None], q2, fallback)
+    elif not bool((ok1 & ok2).all()):
         bad = (~(ok1 & ok2)).nonzero().flatten()
         q2 = q2.clone()
         q2[bad] = _householder_rows(p[bad], rows_group, full_rows, stats)

@@ -55,7 +55,7 @@ def dion3_post_update(
     o: Tensor,
     v: Tensor | None,
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     scale: float,
     beta2: float,
@@ -68,7 +68,8 @@ def dion3_post_update(
     See ``torch_backend.dion3_post_update`` for the contract; the Triton kernel (CUDA) computes the
     same in fewer passes over X.
     """
-    if _dion3_triton(params, index, o, v, normalize):
+    # The Triton kernel takes lr as a number; a tensor lr (capturable) uses the torch backend.
+    if not isinstance(lr, Tensor) and _dion3_triton(params, index, o, v, normalize):
         kernel = select.triton_module(_DION3).dion3_post_update
     else:
         kernel = torch_backend.dion3_post_update

@@ -31,7 +31,7 @@ def dion3_post_update(
     o: Tensor,
     v: Tensor | None,
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     scale: float,
     beta2: float,
@@ -60,7 +60,10 @@ def dion3_post_update(
     o_w = o.to(work)
     sumsq = o_w.square().sum(-1)  # [B, k]
     v_new = None
-    step = torch.full((len(xs), o.shape[1]), -lr * scale, dtype=work, device=o.device)
+    if isinstance(lr, Tensor):  # capturable: read on the device, no host sync
+        step = (lr * -scale).to(device=o.device, dtype=work).expand(len(xs), o.shape[1])
+    else:
+        step = torch.full((len(xs), o.shape[1]), -lr * scale, dtype=work, device=o.device)
     if normalize:
         v_new = torch.lerp(sumsq / max(o.shape[-1], 1), v.to(work), beta2)  # β₂V + (1−β₂)·mean(O²)
         d = v_new.sqrt() + eps
@@ -73,7 +76,7 @@ def dion3_post_update(
     for x, i, o_b, c_b in zip(xs, index, o_w, step):
         rows = x.index_select(0, i).to(work) * decay
         rows = torch.addcmul(rows, c_b[: len(i)].unsqueeze(-1), o_b[: len(i)])
-        if decay != 1.0:
+        if weight_decay != 0.0:
             x.mul_(decay)
         x.index_copy_(0, i, rows.to(x.dtype))
     return v_new.to(v.dtype) if v_new is not None else None

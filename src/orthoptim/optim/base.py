@@ -112,10 +112,9 @@ class _Gathered:
         # Slicing only (src_data_rank=None): every rank already holds the same whole tensor.
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
-    def write_back(self, lr: float, weight_decay: float) -> None:
+    def write_back(self, lr: float | Tensor, weight_decay: float) -> None:
         local = self.p.to_local()
-        if lr * weight_decay != 0.0:
-            local.mul_(1.0 - lr * weight_decay)
+        rules.weight_decay.decay_([local], lr, weight_decay)
         local.add_(self._block(self.delta, self.p))
         self.state["momentum"].to_local().copy_(self._block(self.momentum, self.p))
         if self.variance is not None:
@@ -158,7 +157,13 @@ class OrthonormalOptimizer(Optimizer):
     """Base class: validates groups up front, creates state eagerly, megabatches same-shape matrices."""
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], distributed_mesh: Any = None,
-                 replicate_mesh: Any = None, inner_shard_mesh: Any = None) -> None:
+                 replicate_mesh: Any = None, inner_shard_mesh: Any = None, capturable: bool = False) -> None:
+        if not isinstance(capturable, bool):
+            raise ValueError(f"capturable={capturable!r} must be True or False")
+        # Capturable: no host sync in step() (see orthoptim.optim.capture); set before groups are added.
+        self.capturable = capturable
+        self.nonfinite_found: Tensor | None = None  # capturable: a device flag of the last step
+        self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         self._process_group = resolve_process_group(distributed_mesh)
         # Data parallel without DDP (Dion's compressed sync): this optimizer averages the gradients.
         self._replicate_group = resolve_process_group(replicate_mesh, "replicate_mesh")
@@ -183,6 +188,12 @@ class OrthonormalOptimizer(Optimizer):
             )
         merged = {**self.defaults, **param_group}
         validate_group(merged, f"param group {index}")
+        if self.capturable and merged["nonfinite"] == "skip":
+            raise ValueError(
+                f"param group {index}: nonfinite='skip' needs a host sync each step, which capturable=True "
+                "rules out; keep nonfinite='raise' (with capturable=True, non-finite gradients are flagged and "
+                "optimizer.check_nonfinite() raises after the step) or set capturable=False"
+            )
         raw = param_group["params"]
         raw = [raw] if isinstance(raw, Tensor) else list(raw)
         named = [(p if isinstance(p, tuple) else (None, p)) for p in raw]
@@ -194,10 +205,25 @@ class OrthonormalOptimizer(Optimizer):
             self._check_param(p, merged, label)
         super().add_param_group({**param_group, "params": raw})
         group = self.param_groups[-1]
+        if self.capturable:
+            self._lr_to_tensor(group, index)
         for j, (p, label) in enumerate(zip(group["params"], labels)):
             self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
             self._init_state(p, group)
+
+    @staticmethod
+    def _lr_to_tensor(group: dict[str, Any], index: int) -> None:
+        """A 0-dim fp32 tensor on the parameters' device: a captured graph reads it at replay, and
+        LR schedulers fill it in place (assigning a new float would be ignored by the graph)."""
+        devices = {p.device for p in group["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"param group {index} holds parameters on {sorted(map(str, devices))}; with "
+                             "capturable=True each group's parameters must be on one device")
+        device = devices.pop() if devices else torch.device("cpu")
+        lr = group["lr"]
+        group["lr"] = (lr.detach().to(device=device, dtype=torch.float32) if isinstance(lr, Tensor)
+                       else torch.tensor(float(lr), dtype=torch.float32, device=device))
 
     def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):
@@ -261,7 +287,9 @@ class OrthonormalOptimizer(Optimizer):
         algorithm = group["algorithm"]
         needed: dict[str, Callable[[], Tensor]] = {}
         if algorithm == "adamw":
-            needed = {"step": lambda: torch.tensor(0.0), "exp_avg": lambda: torch.zeros_like(p),
+            # Capturable: the step count lives on the device, so the bias correction is read there.
+            step_device = _local(p).device if self.capturable else "cpu"
+            needed = {"step": lambda: torch.tensor(0.0, device=step_device), "exp_avg": lambda: torch.zeros_like(p),
                       "exp_avg_sq": lambda: torch.zeros_like(p)}
         elif algorithm == "lion":
             needed = {"exp_avg": lambda: torch.zeros_like(p)}
@@ -318,6 +346,11 @@ class OrthonormalOptimizer(Optimizer):
             variance = saved.get(i, {}).get("variance")
             if variance is not None:
                 self.state[p]["variance"] = variance.to(device=p.device, dtype=_row_state_dtype(p), copy=True)
+            if self.capturable and "step" in self.state[p]:  # read on the device by a capturable step
+                self.state[p]["step"] = self.state[p]["step"].to(device=_local(p).device, dtype=torch.float32)
+        if self.capturable:
+            for index, group in enumerate(self.param_groups):
+                self._lr_to_tensor(group, index)
 
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()
@@ -329,7 +362,7 @@ class OrthonormalOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
-        work = self._drop_nonfinite(work)
+        work = self._flag_nonfinite(work) if self.capturable else self._drop_nonfinite(work)
         if self._replicate_group is not None:
             self._average_gradients(work)
         for group, params in work:
@@ -356,8 +389,8 @@ class OrthonormalOptimizer(Optimizer):
             flat /= world
             torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
 
-    def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
-        params = [p for _, ps in work for p in ps]
+    def _finite(self, params: list[Tensor]) -> Tensor:
+        """One bool per parameter, on the device: is its gradient finite on every rank?"""
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"parameter {self.param_name(p)} has a sparse gradient; orthoptim needs dense ones")
@@ -366,17 +399,15 @@ class OrthonormalOptimizer(Optimizer):
                     f"parameter {self.param_name(p)} has shape {tuple(p.shape)} but its gradient has "
                     f"shape {tuple(p.grad.shape)}"
                 )
-        if not params:
-            return work
-        # One reduction pass over all gradients and one host sync for the whole step.
+        # One reduction pass over all gradients (and, outside capture, one host sync for the step).
         grads = [_local(p.grad) for p in params]
-        finite = torch.ones(len(grads), dtype=torch.bool, device=grads[0].device)
-        nonempty = [i for i, g in enumerate(grads) if g.numel()]  # empty shards: nothing to check
-        if nonempty:
-            # min and max are finite iff every entry is (NaN propagates); on CPU this is ~10x faster than
-            # an inf-norm, and unlike a 2-norm it cannot overflow on large finite gradients.
-            extremes = torch.stack([torch.stack(torch.aminmax(grads[i])).float().to(finite.device) for i in nonempty])
-            finite[nonempty] = torch.isfinite(extremes).all(-1)
+        device = grads[0].device
+        # min and max are finite iff every entry is (NaN propagates); on CPU this is ~10x faster than
+        # an inf-norm, and unlike a 2-norm it cannot overflow on large finite gradients. Empty shards
+        # have nothing to check (zeros stand in for them).
+        extremes = torch.stack([torch.stack(torch.aminmax(g)).float().to(device) if g.numel()
+                                else torch.zeros(2, device=device) for g in grads])
+        finite = torch.isfinite(extremes).all(-1)
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
         # diverge (and hang in the next collective).
         for group in self._verdict_groups(params):
@@ -385,6 +416,35 @@ class OrthonormalOptimizer(Optimizer):
             if self.comm_stats is not None:
                 self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
             finite = bad_anywhere == 0
+        return finite
+
+    def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
+        """Capturable: record which gradients are non-finite without reading the verdict back."""
+        params = [p for _, ps in work for p in ps]
+        if params:
+            finite = self._finite(params)
+            self._nonfinite_flags = (params, ~finite)
+            self.nonfinite_found = (~finite).any()
+        return work
+
+    def check_nonfinite(self) -> None:
+        """Capturable optimizers: raise if the last step saw a non-finite gradient (reads one flag
+        from the device; call it outside the captured step, e.g. every few steps)."""
+        if self._nonfinite_flags is None:
+            return
+        params, bad = self._nonfinite_flags
+        if bool(bad.any()):
+            names = [self.param_name(p) for p, b in zip(params, bad.tolist()) if b]
+            raise NonFiniteGradientError(
+                f"parameters {names} had non-finite gradients (NaN or Inf) in the last captured step; their "
+                "update was applied, so restore the last checkpoint, then lower the learning rate or clip gradients"
+            )
+
+    def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
+        params = [p for _, ps in work for p in ps]
+        if not params:
+            return work
+        finite = self._finite(params)
         if bool(finite.all()):
             return work
         bad = {p for p, ok in zip(params, finite.tolist()) if not ok}
@@ -556,11 +616,12 @@ class OrthonormalOptimizer(Optimizer):
                     factors = partial(sharded_low_rank_factors, full_rows=rows, full_cols=cols, stats=self.comm_stats,
                                       rows_group=spec.rows_group if spec else None,
                                       cols_group=spec.cols_group if spec else None,
-                                      col_offset=spec.col_offset if spec else 0, replicate=self._replicate_group)
+                                      col_offset=spec.col_offset if spec else 0, replicate=self._replicate_group,
+                                      sync_free=self.capturable)
                     if spec is not None:
                         columns = slice(spec.col_offset, spec.col_offset + spec.local_cols)
                 else:
-                    factors = partial(rules.low_rank_factors, qr_method=group["qr_method"])
+                    factors = partial(rules.low_rank_factors, qr_method=group["qr_method"], sync_free=self.capturable)
                     if layout in ("replicated", "gathered"):
                         factors = self._share(factors)
                 rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors,
@@ -570,7 +631,10 @@ class OrthonormalOptimizer(Optimizer):
 
     def _scalar_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         beta1, beta2 = group["betas"]
-        key = (lambda p: (p.device, p.dtype, float(self.state[p]["step"]))) if group["algorithm"] == "adamw" \
+        # AdamW batches parameters that share a step count (one bias correction per batch); capturable
+        # steps are per-parameter device tensors and are never read on the host.
+        counted = group["algorithm"] == "adamw" and not self.capturable
+        key = (lambda p: (p.device, p.dtype, float(self.state[p]["step"]))) if counted \
             else (lambda p: (p.device, p.dtype))
         for batch in megabatches(params, key=key):
             # Elementwise rules: each rank updates its own shard, no communication.
@@ -579,10 +643,11 @@ class OrthonormalOptimizer(Optimizer):
             states = [self.state[p] for p in batch]
             exp_avgs = [_local(s["exp_avg"]) for s in states]
             if group["algorithm"] == "adamw":
-                for s in states:
-                    s["step"] += 1
+                steps = [s["step"] for s in states]
+                torch._foreach_add_(steps, 1.0)
                 rules.adamw_update(xs, grads, exp_avgs, [_local(s["exp_avg_sq"]) for s in states],
-                                   int(states[0]["step"]), lr=group["lr"], beta1=beta1, beta2=beta2,
+                                   steps if self.capturable else int(steps[0]), lr=group["lr"], beta1=beta1,
+                                   beta2=beta2,
                                    eps=group["epsilon"], weight_decay_rate=group["weight_decay"])
             else:
                 rules.lion_update(xs, grads, exp_avgs, lr=group["lr"], beta1=beta1, beta2=beta2,

@@ -1,5 +1,11 @@
 """The public optimizer classes. Each one only chooses defaults; any group may still pick any
-``algorithm`` (so one optimizer serves matrices and the AdamW/Lion groups of a model)."""
+``algorithm`` (so one optimizer serves matrices and the AdamW/Lion groups of a model).
+
+Every class takes ``capturable=True`` for CUDA-graph capture (``orthoptim.CapturedStep``): learning
+rates become 0-dim device tensors (LR schedulers fill them in place), AdamW's step count lives on the
+device, and the step never reads a value back to the host. Non-finite gradients are then flagged,
+not refused: ``optimizer.check_nonfinite()`` raises afterwards, naming the parameters.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ class Dion3(OrthonormalOptimizer):
         orthogonalizer: OrthogonalizerSpec = "gram",
         flatten: bool = False,
         nonfinite: str = "raise",
+        capturable: bool = False,
         selection_scope: str = "local",
         distributed_mesh: Any = None,
     ) -> None:
@@ -41,7 +48,7 @@ class Dion3(OrthonormalOptimizer):
             algorithm="dion3", lr=lr, fraction=fraction, mu=mu, muon_beta2=muon_beta2, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer,
             flatten=flatten, nonfinite=nonfinite, selection_scope=selection_scope,
-        ), distributed_mesh=distributed_mesh)
+        ), distributed_mesh=distributed_mesh, capturable=capturable)
 
 
 class Dion2(OrthonormalOptimizer):
@@ -61,6 +68,7 @@ class Dion2(OrthonormalOptimizer):
         orthogonalizer: OrthogonalizerSpec = "polar_express",
         flatten: bool = False,
         nonfinite: str = "raise",
+        capturable: bool = False,
         selection_scope: str = "local",
         distributed_mesh: Any = None,
     ) -> None:
@@ -68,7 +76,7 @@ class Dion2(OrthonormalOptimizer):
             algorithm="dion2", lr=lr, fraction=fraction, mu=mu, betas=betas, weight_decay=weight_decay,
             epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer, flatten=flatten,
             nonfinite=nonfinite, selection_scope=selection_scope,
-        ), distributed_mesh=distributed_mesh)
+        ), distributed_mesh=distributed_mesh, capturable=capturable)
 
 
 class Muon(OrthonormalOptimizer):
@@ -87,13 +95,14 @@ class Muon(OrthonormalOptimizer):
         orthogonalizer: OrthogonalizerSpec = "polar_express",
         flatten: bool = False,
         nonfinite: str = "raise",
+        capturable: bool = False,
         distributed_mesh: Any = None,
     ) -> None:
         super().__init__(params, dict(
             algorithm="muon", lr=lr, mu=mu, nesterov=nesterov, betas=betas, weight_decay=weight_decay,
             epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer, flatten=flatten,
             nonfinite=nonfinite,
-        ), distributed_mesh=distributed_mesh)
+        ), distributed_mesh=distributed_mesh, capturable=capturable)
 
 
 class NorMuon(OrthonormalOptimizer):
@@ -113,13 +122,14 @@ class NorMuon(OrthonormalOptimizer):
         orthogonalizer: OrthogonalizerSpec = "polar_express",
         flatten: bool = False,
         nonfinite: str = "raise",
+        capturable: bool = False,
         distributed_mesh: Any = None,
     ) -> None:
         super().__init__(params, dict(
             algorithm="normuon", lr=lr, mu=mu, muon_beta2=muon_beta2, nesterov=nesterov, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, orthogonalizer=orthogonalizer,
             flatten=flatten, nonfinite=nonfinite,
-        ), distributed_mesh=distributed_mesh)
+        ), distributed_mesh=distributed_mesh, capturable=capturable)
 
 
 class Dion(OrthonormalOptimizer):
@@ -150,6 +160,7 @@ class Dion(OrthonormalOptimizer):
         qr_method: str = "cholesky_qr",
         flatten: bool = False,
         nonfinite: str = "raise",
+        capturable: bool = False,
         replicate_mesh: Any = None,
         outer_shard_mesh: Any = None,
         inner_shard_mesh: Any = None,
@@ -165,4 +176,5 @@ class Dion(OrthonormalOptimizer):
             algorithm="dion", lr=lr, rank_fraction=rank_fraction, mu=mu, betas=betas,
             weight_decay=weight_decay, epsilon=epsilon, adjust_lr=adjust_lr, qr_method=qr_method,
             flatten=flatten, nonfinite=nonfinite,
-        ), distributed_mesh=outer_shard_mesh, replicate_mesh=replicate_mesh, inner_shard_mesh=inner_shard_mesh)
+        ), distributed_mesh=outer_shard_mesh, replicate_mesh=replicate_mesh, inner_shard_mesh=inner_shard_mesh,
+            capturable=capturable)

@@ -29,12 +29,14 @@ def cholesky_qr_pass(p: Tensor, reduce_gram: Callable[[Tensor], Tensor] | None =
     return q, ok
 
 
-def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr") -> Tensor:
+def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr", sync_free: bool = False) -> Tensor:
     """Orthonormal basis of the column space of every matrix in ``p`` ([B, m, r], r ≤ m).
 
     ``"cholesky_qr"`` (default): two Cholesky-QR passes (CholeskyQR2: two r×r Cholesky solves,
     much cheaper than Householder on tall matrices), with Householder QR for every matrix whose
     Cholesky factor is not finite or too ill-conditioned. ``"qr"``: Householder QR always.
+    ``sync_free``: pick the fallback per matrix on the device (Householder QR is then computed for
+    every matrix) instead of reading the verdict back to the host: for captured CUDA graphs.
     """
     if method not in ("cholesky_qr", "qr"):
         raise ValueError(f"method={method!r} is not supported; use 'cholesky_qr' or 'qr'")
@@ -44,6 +46,8 @@ def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr") -> Tensor:
     q, ok = cholesky_qr_pass(work)
     q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q))
     ok = ok & ok2 & torch.isfinite(q2).flatten(1).all(-1)
+    if sync_free:
+        return torch.where(ok[:, None, None], q2, torch.linalg.qr(work).Q).to(p.dtype)
     if not bool(ok.all()):
         bad = (~ok).nonzero().flatten()
         q2 = q2.clone()

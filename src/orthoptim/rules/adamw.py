@@ -5,29 +5,49 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from orthoptim.rules import weight_decay
+
 
 def adamw_update(
     params: list[Tensor],
     grads: list[Tensor],
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
-    step: int,
+    step: int | list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     eps: float,
     weight_decay_rate: float,
 ) -> None:
-    """One AdamW step (bias-corrected, decoupled weight decay); ``step`` counts from 1."""
-    if lr * weight_decay_rate != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay_rate)
+    """One AdamW step (bias-corrected, decoupled weight decay); ``step`` counts from 1.
+
+    ``step`` is a number, or one 0-dim device tensor per parameter (capturable: the bias corrections
+    are then computed on the device, so the step never reads a value back to the host).
+    """
+    weight_decay.decay_(params, lr, weight_decay_rate)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
-    bias1 = 1.0 - beta1**step
-    bias2 = 1.0 - beta2**step
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias2**0.5)
+    if isinstance(step, int) and not isinstance(lr, Tensor):
+        bias1 = 1.0 - beta1**step
+        bias2 = 1.0 - beta2**step
+        torch._foreach_div_(denom, bias2**0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+        return
+    steps = step if isinstance(step, list) else [torch.tensor(float(step), device=p.device) for p in params]
+    # X ← X + m / d with d = (√v/√b₂ + ε)·(−b₁/lr): the step size folded into the denominator.
+    bias1 = torch._foreach_pow(beta1, steps)
+    torch._foreach_sub_(bias1, 1.0)  # −b₁ = β₁ᵗ − 1
+    bias2_sqrt = torch._foreach_pow(beta2, steps)
+    torch._foreach_neg_(bias2_sqrt)
+    torch._foreach_add_(bias2_sqrt, 1.0)
+    torch._foreach_sqrt_(bias2_sqrt)
+    torch._foreach_div_(denom, bias2_sqrt)
     torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+    torch._foreach_mul_(denom, bias1)
+    torch._foreach_div_(denom, lr)
+    torch._foreach_addcdiv_(params, exp_avgs, denom)

@@ -17,13 +17,15 @@ from orthoptim.orthogonalize import normalize_columns, orthonormalize_columns
 from orthoptim.rules import momentum, weight_decay
 
 
-def low_rank_factors(momenta: list[Tensor], right_factors: list[Tensor], qr_method: str = "cholesky_qr") -> Tensor:
+def low_rank_factors(momenta: list[Tensor], right_factors: list[Tensor], qr_method: str = "cholesky_qr",
+                     sync_free: bool = False) -> Tensor:
     """One power-iteration step per matrix: [P; R] stacked along rows, [B, m + n, r].
 
     P = orth_cols(B Q) (m×r) and R = Bᵀ P (n×r). Returned as one tensor so a distributed plan can
-    compute a share of the batch and gather the rest in one collective.
+    compute a share of the batch and gather the rest in one collective. ``sync_free``: see
+    ``orthonormalize_columns``.
     """
-    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method)
+    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method, sync_free)
     r = torch.stack([b.mT @ pi for b, pi in zip(momenta, p)])
     return torch.cat([p, r], dim=-2)
 
@@ -34,7 +36,7 @@ def dion_update(
     momenta: list[Tensor],
     right_factors: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     mu: float,
     eps: float,
     weight_decay_rate: float,
@@ -61,4 +63,5 @@ def dion_update(
     torch._foreach_copy_(right_factors, list(q_new.unbind(0)))
     weight_decay.decay_(params, lr, weight_decay_rate)
     for x, pi, qi in zip(params, p, q_new):
-        x.addmm_(pi.to(x.dtype), qi[columns].mT.to(x.dtype), alpha=-lr * scale)
+        pi, alpha = weight_decay.scaled(pi.to(x.dtype), -lr * scale)  # a tensor lr scales the small P
+        x.addmm_(pi, qi[columns].mT.to(x.dtype), alpha=alpha)

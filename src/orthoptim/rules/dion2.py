@@ -19,7 +19,7 @@ def dion2_update(
     grads: list[Tensor],
     momenta: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     fraction: float,
     mu: float,
     weight_decay_rate: float,

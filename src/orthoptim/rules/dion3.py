@@ -22,7 +22,7 @@ def dion3_update(
     momenta: list[Tensor],
     variances: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     fraction: float,
     mu: float,
     beta2: float,

@@ -14,7 +14,7 @@ def muon_update(
     grads: list[Tensor],
     momenta: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     mu: float,
     nesterov: bool,
     weight_decay_rate: float,

@@ -17,7 +17,7 @@ def normuon_update(
     momenta: list[Tensor],
     variances: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     mu: float,
     nesterov: bool,
     beta2: float,

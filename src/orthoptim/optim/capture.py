@@ -1,0 +1,118 @@
+"""CUDA-graph capture of an optimizer step, and a check that a step never waits on the device.
+
+A step that reads no value back to the host (no ``.item()``, no ``bool(tensor)``, no ``nonzero``)
+can be recorded once as a CUDA graph and replayed: one launch instead of hundreds of small kernels.
+Build the optimizer with ``capturable=True`` (learning rates and AdamW's step count become device
+tensors; non-finite gradients are flagged rather than refused), then::
+
+    step = orthoptim.CapturedStep(opt)
+    for batch in data:
+        loss = model(batch).backward()   # gradients land in the same .grad tensors every step
+        step()                           # eager warm-up steps, then capture, then replays
+        opt.zero_grad(set_to_none=False)
+        scheduler.step()                 # fills the lr tensors in place: the graph reads them
+    opt.check_nonfinite()                # every few steps: one flag read back from the device
+
+On parameters that are not on CUDA the helper just calls ``optimizer.step()``, so the same script
+runs on a CPU. ``HostSyncCounter`` finds host reads on any device (tests run it on the CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Ops that copy a device value to the host or whose output size depends on tensor values.
+HOST_SYNC_OPS = frozenset({
+    "aten::_local_scalar_dense",  # .item(), bool(t), int(t), float(t)
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::unique_dim",
+    "aten::equal",
+})
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Records every op in ``HOST_SYNC_OPS`` run inside the ``with`` block (``.names``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in HOST_SYNC_OPS:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class CapturedStep:
+    """Calls ``optimizer.step()``: ``warmup_steps`` times eagerly on a side stream, then records one
+    step as a CUDA graph and replays it on every later call (each call is exactly one step).
+
+    The graph keeps the addresses it was recorded with, so every call checks (on the host, without
+    syncing) that each parameter's ``.grad`` is the same tensor and each group's ``lr`` the same
+    tensor object as at capture, and raises with the fix if not.
+    """
+
+    def __init__(self, optimizer: Any, warmup_steps: int = 3) -> None:
+        if not getattr(optimizer, "capturable", False):
+            raise ValueError(
+                f"{type(optimizer).__name__} was built without capturable=True: its step reads values back "
+                "to the host and cannot be captured; construct it with capturable=True"
+            )
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 1 (CUDA libraries initialize "
+                             "their workspaces in the first steps, which capture cannot record)")
+        self.optimizer = optimizer
+        self.warmup_steps = warmup_steps
+        self.graph: Any = None
+        self._calls = 0
+        self._layout: tuple | None = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _current_layout(self) -> tuple:
+        grads = tuple(None if p.grad is None else (p.grad.data_ptr(), tuple(p.grad.shape)) for p in self._params())
+        lrs = tuple(id(g["lr"]) for g in self.optimizer.param_groups)
+        return grads, lrs
+
+    def __call__(self) -> None:
+        params = self._params()
+        if not (torch.cuda.is_available() and params and all(p.is_cuda for p in params)):
+            self.optimizer.step()  # capture is a CUDA feature; elsewhere the step runs eagerly
+            return
+        layout = self._current_layout()
+        if self.graph is not None:
+            if layout != self._layout:
+                changed = "a group's lr was replaced" if layout[1] != self._layout[1] else "gradients moved"
+                raise RuntimeError(
+                    f"CapturedStep: {changed} since capture; the graph reads the tensors it was recorded with. "
+                    "Zero gradients with optimizer.zero_grad(set_to_none=False), and change a learning rate in "
+                    "place (group['lr'].fill_(value), as torch LR schedulers do), never by assignment"
+                )
+            self.graph.replay()
+            return
+        if self._calls < self.warmup_steps:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.optimizer.step()
+            torch.cuda.current_stream().wait_stream(side)
+            self._calls += 1
+            return
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.optimizer.step()
+        self.graph, self._layout = graph, layout
+        graph.replay()  # capture records without running: this call's step happens here

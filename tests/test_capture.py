@@ -1,0 +1,152 @@
+"""capturable=True: a step without host reads, with tensor learning rates, that equals the default step;
+CapturedStep replays equal eager steps on CUDA (skipped without a GPU) and run eagerly elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import orthoptim
+from orthoptim.orthogonalize.power_iteration import orthonormalize_columns
+
+OPTIMIZERS = {
+    "dion3": (orthoptim.Dion3, {"fraction": 0.5}),
+    "dion2": (orthoptim.Dion2, {"fraction": 0.5}),
+    "muon": (orthoptim.Muon, {"nesterov": True}),
+    "normuon": (orthoptim.NorMuon, {}),
+    "dion": (orthoptim.Dion, {"rank_fraction": 0.5}),
+}
+SHAPES = [(16, 32), (16, 32), (40, 12), (12,), (7,)]
+
+
+def _model(device: str = "cpu") -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(s, generator=gen).to(device)) for s in SHAPES]
+
+
+def _groups(params: list[nn.Parameter]) -> list[dict]:
+    return [{"params": params[:3]}, {"params": params[3:4], "algorithm": "adamw", "lr": 0.003},
+            {"params": params[4:], "algorithm": "lion", "lr": 0.001}]
+
+
+def _grads(step: int, device: str = "cpu") -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(s, generator=gen).to(device) for s in SHAPES]
+
+
+def _train(name: str, capturable: bool, steps: int = 4, device: str = "cpu", captured: bool = False):
+    cls, options = OPTIMIZERS[name]
+    params = _model(device)
+    opt = cls(_groups(params), lr=0.02, weight_decay=0.1, capturable=capturable, **options)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))  # a new lr every step
+    run = orthoptim.CapturedStep(opt, warmup_steps=2) if captured else opt.step
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for step in range(steps):
+        for p, g in zip(params, _grads(step, device)):
+            p.grad.copy_(g)  # same gradient tensors every step, as a captured graph needs
+        run()
+        schedule.step()
+    return [p.detach().cpu() for p in params], opt, run
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_capturable_step_reads_nothing_back_from_the_device(name):
+    cls, options = OPTIMIZERS[name]
+    for capturable in (False, True):
+        params = _model()
+        opt = cls(_groups(params), capturable=capturable, **options)
+        for p, g in zip(params, _grads(0)):
+            p.grad = g
+        with orthoptim.HostSyncCounter() as counter:
+            opt.step()
+            opt.step()
+        if capturable:
+            assert counter.names == [], counter.names
+        else:  # the default step checks gradients with one read-back: the counter sees it
+            assert "aten::_local_scalar_dense" in counter.names
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_capturable_step_equals_default_step_under_an_lr_schedule(name):
+    want, _, _ = _train(name, capturable=False)
+    got, opt, _ = _train(name, capturable=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    lrs = [group["lr"] for group in opt.param_groups]
+    assert all(isinstance(lr, torch.Tensor) and lr.ndim == 0 for lr in lrs)
+    assert math.isclose(float(lrs[0]), 0.02 / 5, rel_tol=1e-6)  # filled in place by the scheduler
+
+
+def test_adamw_step_count_lives_on_the_parameters_device():
+    params = _model()
+    opt = orthoptim.Muon(_groups(params), capturable=True)
+    assert opt.state[params[3]]["step"].device == params[3].device
+
+
+def test_nonfinite_gradient_is_flagged_and_check_raises_with_the_name():
+    params = _model()
+    opt = orthoptim.Dion3([("blocks.0.mlp", params[0]), ("blocks.0.attn", params[1]), ("head", params[2])],
+                          capturable=True)
+    for p, g in zip(params[:3], _grads(0)):
+        p.grad = g
+    opt.step()
+    opt.check_nonfinite()  # all finite: no error
+    assert not bool(opt.nonfinite_found)
+    params[0].grad[3, 4] = float("nan")
+    opt.step()
+    assert bool(opt.nonfinite_found)
+    with pytest.raises(orthoptim.NonFiniteGradientError, match=r"blocks\.0\.mlp"):
+        opt.check_nonfinite()
+
+
+def test_skip_mode_and_capture_are_refused_together():
+    with pytest.raises(ValueError, match=r"nonfinite='skip'.*capturable"):
+        orthoptim.Muon(_model()[:1], nonfinite="skip", capturable=True)
+    with pytest.raises(ValueError, match="capturable=True"):
+        orthoptim.CapturedStep(orthoptim.Muon(_model()[:1]))
+
+
+def test_captured_step_runs_eagerly_off_cuda():
+    want, _, _ = _train("dion3", capturable=True)
+    got, _, run = _train("dion3", capturable=True, captured=True)
+    assert not run.captured
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_sync_free_cholesky_qr_falls_back_per_matrix_on_the_device():
+    gen = torch.Generator().manual_seed(0)
+    good = torch.randn(40, 6, generator=gen)
+    bad = torch.randn(40, 6, generator=gen)
+    bad[:, 5] = bad[:, 4] * (1 + 1e-9)  # rank deficient: Cholesky-QR is not trusted here
+    p = torch.stack([good, bad])
+    with orthoptim.HostSyncCounter() as counter:
+        q = orthonormalize_columns(p, sync_free=True)
+    assert counter.names == []
+    torch.testing.assert_close(q, orthonormalize_columns(p), rtol=0, atol=0)
+    eye = torch.eye(6).expand(2, 6, 6)
+    torch.testing.assert_close(q.mT @ q, eye, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_captured_cuda_graph_replays_equal_eager_steps(name):
+    want, _, _ = _train(name, capturable=True, steps=6, device="cuda")
+    got, _, run = _train(name, capturable=True, steps=6, device="cuda", captured=True)
+    assert run.captured
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_capturable_state_dict_round_trip_keeps_device_steps_and_tensor_lrs():
+    want, opt, _ = _train("muon", capturable=True, steps=2)
+    params = _model()
+    fresh = orthoptim.Muon(_groups(params), capturable=True)
+    fresh.load_state_dict(opt.state_dict())
+    assert isinstance(fresh.param_groups[0]["lr"], torch.Tensor)
+    assert fresh.state[params[3]]["step"].device == params[3].device
+    assert float(fresh.state[params[3]]["step"]) == 2.0
