@@ -143,7 +143,7 @@ def test_captured_cuda_graph_replays_equal_eager_steps(name):
 
 
 def test_capturable_state_dict_round_trip_keeps_device_steps_and_tensor_lrs():
-    want, opt, _ = _train("muon", capturable=True, steps=2)
+    _, opt, _ = _train("muon", capturable=True, steps=2)
     params = _model()
     fresh = orthoptim.Muon(_groups(params), capturable=True)
     fresh.load_state_dict(opt.state_dict())

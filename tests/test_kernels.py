@@ -231,3 +231,59 @@ def test_import_does_not_import_triton():
         "assert 'triton' not in sys.modules, 'triton was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --- the optional QuACK backend, driven on the CPU through a stand-in for its kernel -----------------
+
+def _fake_quack(monkeypatch, kernel):
+    """Make ``quack_symmetric`` believe QuACK is installed and can run, with ``kernel`` as its GEMM."""
+    import types
+
+    from orthoptim.kernels import quack_symmetric
+
+    module = types.ModuleType("quack.gemm_interface")
+    module.gemm_symmetric = kernel
+    monkeypatch.setitem(__import__("sys").modules, "quack.gemm_interface", module)
+    monkeypatch.setattr(quack_symmetric, "can_run", lambda *tensors: quack_symmetric._disabled is None)
+    monkeypatch.setattr(quack_symmetric, "_disabled", None)
+    monkeypatch.setattr(quack_symmetric, "_verified", set())
+    monkeypatch.setenv("ORTHOPTIM_KERNELS", "quack")
+    return quack_symmetric
+
+
+def _gemm_like_quack(calls):
+    def gemm_symmetric(a, b, C=None, alpha=1.0, beta=1.0):
+        calls.append(a.shape)
+        out = alpha * (a @ b)
+        return out + beta * C if C is not None else out
+    return gemm_symmetric
+
+
+def test_quack_backend_runs_gram_newton_schulz_and_matches_torch(monkeypatch):
+    from orthoptim.orthogonalize import gram_newton_schulz
+
+    x = torch.randn(3, 16, 64, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setenv("ORTHOPTIM_KERNELS", "torch")
+    want = gram_newton_schulz(x)
+    calls = []
+    _fake_quack(monkeypatch, _gemm_like_quack(calls))
+    assert kernels.backend(x, 16) == "quack"
+    got = gram_newton_schulz(x)
+    assert len(calls) >= 10  # X Xᵀ, and the polynomial and product of every iteration
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_quack_backend_that_fails_is_switched_off_with_one_warning(monkeypatch, failure):
+    def broken(a, b, C=None, alpha=1.0, beta=1.0):
+        if failure == "raises":
+            raise TypeError("unexpected keyword")  # e.g. an interface change between releases
+        return torch.zeros(a.shape[0], a.shape[1], b.shape[-1])
+
+    quack = _fake_quack(monkeypatch, broken)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="QuACK"):
+        got = kernels.gram(x)
+    torch.testing.assert_close(got, x @ x.mT)  # the torch result, not the broken one
+    assert quack._disabled is not None
+    assert kernels.backend(x, 8) == "torch"

@@ -2,8 +2,10 @@
 
 Every function here has a torch implementation (``torch_backend``, correct on every device) and a
 Triton one (``triton_symmetric``, ``triton_dion3``) used on CUDA when ``triton`` is installed and the
-problem is big enough to win; ``ORTHOPTIM_KERNELS=torch|triton|auto`` overrides the choice
-(see ``select``). Triton is optional: nothing here imports it until a CUDA tensor asks for it.
+problem is big enough to win; the symmetric products can also run on QuACK's external CuTeDSL
+kernels (``quack_symmetric``, the ``hopper`` extra), which fall back here on any failure.
+``ORTHOPTIM_KERNELS=torch|triton|quack|auto`` overrides the choice (see ``select``). Triton and
+QuACK are optional: nothing here imports them until a CUDA tensor asks for them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from orthoptim.kernels import select, torch_backend
+from orthoptim.kernels import quack_symmetric, select, torch_backend
 from orthoptim.kernels.select import ENV_VAR, MIN_TRITON_SIZE
 
 _SYMMETRIC = "triton_symmetric"
@@ -21,12 +23,16 @@ _DION3 = "triton_dion3"
 
 
 def backend(x: Tensor, size: int | None = None) -> str:
-    """The backend ("torch" or "triton") a symmetric product with output side ``size`` would use."""
+    """The backend ("torch", "triton" or "quack") a symmetric product with output side ``size`` would use."""
+    if select.use_quack(x, size=size):
+        return "quack"
     return "triton" if select.use_triton(x, size=size, module=_SYMMETRIC) else "torch"
 
 
 def gram(x: Tensor) -> Tensor:
     """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric)."""
+    if select.use_quack(x, size=x.shape[-2]) and (out := quack_symmetric.gram(x)) is not None:
+        return out
     if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).gram(x)
     return torch_backend.gram(x)
@@ -34,6 +40,8 @@ def gram(x: Tensor) -> Tensor:
 
 def symmetric_polynomial(r: Tensor, a: float, b: float, c: float) -> Tensor:
     """a I + b R + c R² for a batch of symmetric R [B, k, k]."""
+    if select.use_quack(r, size=r.shape[-1]) and (out := quack_symmetric.symmetric_polynomial(r, a, b, c)) is not None:
+        return out
     if select.use_triton(r, size=r.shape[-1], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).symmetric_polynomial(r, a, b, c)
     return torch_backend.symmetric_polynomial(r, a, b, c)
@@ -44,6 +52,9 @@ def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
 
     The result is then symmetric, which the Triton kernel relies on: it computes the lower half only.
     """
+    if p.dtype == q.dtype and select.use_quack(p, q, size=p.shape[-1]) and \
+            (out := quack_symmetric.symmetric_product(p, q)) is not None:
+        return out
     if p.dtype == q.dtype and select.use_triton(p, q, size=p.shape[-1], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).symmetric_product(p, q)
     return torch_backend.symmetric_product(p, q)

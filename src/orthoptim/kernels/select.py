@@ -1,10 +1,12 @@
-"""Which backend runs a product: the torch reference or the Triton kernels.
+"""Which backend runs a product: the torch reference, the Triton kernels or QuACK's (optional).
 
 ``ORTHOPTIM_KERNELS`` (read at every call, so tests and benchmarks can switch it):
 
-- ``auto`` (default, also when unset or empty): Triton for CUDA tensors of a supported dtype when
-  ``triton`` is installed and the problem is at least ``MIN_TRITON_SIZE`` on the output side; torch
-  everywhere else (CPU tensors always).
+- ``auto`` (default, also when unset or empty): for CUDA tensors whose output side is at least
+  ``MIN_TRITON_SIZE``, QuACK's CuTeDSL symmetric GEMMs when ``quack-kernels`` is installed (the
+  ``hopper`` extra; fp16/bf16 on sm90+), else Triton when ``triton`` is installed; torch everywhere
+  else (CPU tensors always).
+- ``quack``: QuACK's kernels wherever they can run, whatever the size; torch for everything else.
 - ``torch``: the torch backend everywhere.
 - ``triton``: Triton wherever it can run, whatever the size: CUDA tensors, and CPU tensors when the
   Triton kernels were imported under ``TRITON_INTERPRET=1`` (the CPU interpreter, for tests). Torch
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 ENV_VAR = "ORTHOPTIM_KERNELS"
-CHOICES = ("auto", "torch", "triton")
+CHOICES = ("auto", "torch", "triton", "quack")
 
 # Output side (k of a k×k result) from which ``auto`` picks the symmetric Triton kernels on CUDA.
 # Below it one or a few tiles per matrix leave most of the GPU idle and cuBLAS wins on launch cost.
@@ -68,10 +70,22 @@ def _triton_can_run(tensors: tuple[Tensor, ...], module: str) -> bool:
     return all(t.device.type == "cpu" for t in tensors) and triton_module(module).INTERPRET
 
 
+def use_quack(*tensors: Tensor, size: int | None = None) -> bool:
+    """True when QuACK's symmetric GEMM should run a product of ``tensors`` (output side ``size``)."""
+    from orthoptim.kernels import quack_symmetric
+
+    choice = requested()
+    if choice == "quack":
+        return quack_symmetric.can_run(*tensors)
+    if choice != "auto" or (size is not None and size < MIN_TRITON_SIZE):
+        return False
+    return quack_symmetric.can_run(*tensors)
+
+
 def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
     """True when the Triton ``module`` should run a product of ``tensors`` (output side ``size``)."""
     choice = requested()
-    if choice == "torch":
+    if choice in ("torch", "quack"):
         return False
     if choice == "triton":
         return _triton_can_run(tensors, module)
