@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# GPU check: the kernel correctness tests (compiled, not interpreted) and the kernel micro-benchmark.
+# GPU check: the kernel correctness tests (compiled, not interpreted), the kernel micro-benchmark and
+# the optimizer benchmark ladder.
 #
 #   benchmarks/gpu_check.sh OUTDIR
 #
 # Writes into OUTDIR: env.json (device, versions, commit), kernel_tests.txt + kernel_tests.xml
 # (pytest on tests/test_kernels*.py), kernels_bench.json + kernels_bench.txt (torch vs Triton per
-# product, Gram NS vs standard NS, fused Dion3 update; medians in ms). Runs in under 8 minutes:
-# tests are capped at 180 s, the benchmark stops starting new cases after 180 s and is killed at
-# 270 s. Without a CUDA device (or without triton) it says so and exits 0.
-# Exit status: 0 when every step that ran passed, 1 when the tests failed or the benchmark broke.
+# product, Gram NS vs standard NS, fused Dion3 update; medians in ms), ladder.json + ladder.png +
+# ladder.txt (benchmarks/ladder.py: step time, FLOPs, bytes, passes, state and transient memory per
+# optimizer on the 124M-like, 1B-like and 7B-like matrix sets; 7B-like at 8 of its 32 layers so that
+# AdamW's parameters, gradients, state and temporaries fit in memory many times over).
+# Runs in under 8 minutes: tests are capped at 170 s; the kernel benchmark stops starting new cases
+# after 100 s and is killed at 140 s; the ladder stops starting new rungs after 110 s (the rest are
+# listed as skipped) and is killed at 160 s (its JSON is rewritten after every rung, so what it
+# measured stays). Without a CUDA device (or without triton) it says so and exits 0.
+# Exit status: 0 when every step that ran passed, 1 when the tests failed or a benchmark broke.
 set -uo pipefail
 
 if [ $# -ne 1 ]; then
@@ -46,7 +52,7 @@ EOF
 
 status=0
 echo "gpu_check: kernel tests (compiled kernels on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py \
+timeout 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py \
     --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.txt"
 test_rc=${PIPESTATUS[0]}
 if [ "$test_rc" -ne 0 ]; then
@@ -55,11 +61,25 @@ if [ "$test_rc" -ne 0 ]; then
 fi
 
 echo "gpu_check: kernel micro-benchmark"
-timeout 270 "$PY" benchmarks/kernels_bench.py --out "$OUT/kernels_bench.json" --budget-s 180 2>&1 \
+timeout 140 "$PY" benchmarks/kernels_bench.py --out "$OUT/kernels_bench.json" --budget-s 100 2>&1 \
     | tee "$OUT/kernels_bench.txt"
 bench_rc=${PIPESTATUS[0]}
 if [ "$bench_rc" -ne 0 ]; then
     echo "gpu_check: benchmark FAILED (exit $bench_rc; 124 = timed out)"
+    status=1
+fi
+
+echo "gpu_check: optimizer benchmark ladder"
+png_args=(--png "$OUT/ladder.png")
+if ! "$PY" -c 'import matplotlib' 2>/dev/null; then
+    echo "gpu_check: matplotlib is not installed: no ladder.png (pip install matplotlib)"
+    png_args=()
+fi
+timeout 160 "$PY" benchmarks/ladder.py --device cuda --sets 124m,1b,7b:8 --warmup 2 --repeats 5 --budget-s 110 \
+    --json "$OUT/ladder.json" ${png_args[@]+"${png_args[@]}"} 2>&1 | tee "$OUT/ladder.txt"
+ladder_rc=${PIPESTATUS[0]}
+if [ "$ladder_rc" -ne 0 ]; then
+    echo "gpu_check: ladder FAILED (exit $ladder_rc; 124 = timed out; ladder.json keeps the rungs it finished)"
     status=1
 fi
 

@@ -11,8 +11,8 @@ per layer, nn.Linear layout) from ``orthoptim.benchmark.PRESETS``; ``NAME:L`` ke
 takes L layers (a step's time, FLOPs and bytes grow linearly with L; ratios and passes do not
 change). 7b is GPU-only.
 
-Per rung: median ms of --repeats timed steps after --warmup untimed ones; ratios to muon and to
-adamw (foreach); then from one more, untimed step under the counters of
+Per rung: median ms of --repeats timed steps after --warmup untimed ones; ratios to muon, to
+adamw (foreach) and to adamw_fused; then from one more, untimed step under the counters of
 ``orthoptim.benchmark_counts``: matmul GFLOP/step, GB moved/step (each op charged its inputs and
 outputs once: an upper-bound traffic model), passes over parameter memory (bytes moved / bytes of
 the parameters; "ew" leaves out the matrix products), optimizer state bytes (× parameter bytes),
@@ -28,13 +28,15 @@ after every rung, so a killed run keeps what it measured) and --png (needs matpl
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -61,7 +63,7 @@ CPU_SETS = "124m:4"
 CUDA_SETS = "124m,1b,7b:8"
 GPU_ONLY_SETS = {"7b"}
 
-COLUMNS = ["set", "optimizer", "median_ms", "vs_muon", "vs_adamw", "gflop", "gb_moved", "passes",
+COLUMNS = ["set", "optimizer", "median_ms", "vs_muon", "vs_adamw", "vs_adamw_fused", "gflop", "gb_moved", "passes",
            "elementwise_passes", "state_bytes", "state_ratio", "peak_transient_bytes", "transient_ratio",
            "gflop_per_s", "gb_per_s", "note"]
 
@@ -71,7 +73,7 @@ class Rung:
     name: str
     make: Callable[[list[Tensor]], torch.optim.Optimizer]
     note: str
-    cost: int  # execution order: cheap rungs first, so a time budget drops the slowest ones
+    priority: int  # execution order: the references and cheap rungs first, so a time budget drops the rest
 
 
 def _fused_adamw_works(device: torch.device) -> str | None:
@@ -103,8 +105,12 @@ def _kernel_note(device: torch.device, sizes: list[int], dtype: torch.dtype) -> 
     probe = torch.empty(0, device=device, dtype=dtype)
     by_backend: dict[str, list[int]] = {}
     for k in sorted(set(sizes)):
-        by_backend.setdefault(kernels.backend(probe, size=k), []).append(k)
-    if device.type != "cuda":
+        try:
+            backend = kernels.backend(probe, size=k)
+        except ImportError:  # ORTHOPTIM_KERNELS=triton without triton: the step itself will say so
+            backend = "triton (not installed)"
+        by_backend.setdefault(backend, []).append(k)
+    if device.type != "cuda" and set(by_backend) <= {"torch"}:
         return "kernels: torch fallback (no Triton on CPU)"
     if len(by_backend) == 1:
         return f"kernels: {next(iter(by_backend))}"
@@ -121,11 +127,11 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
         "adamw": Rung("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
                       "torch.optim.AdamW foreach: the memory floor", 0),
         "adamw_fused": Rung("adamw_fused", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True),
-                            "torch.optim.AdamW fused", 0),
+                            "torch.optim.AdamW fused", 1),
         "muon": Rung("muon", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="polar_express"),
-                     f"standard NS, Polar Express, {precision}", 8),
+                     f"standard NS, Polar Express, {precision}", 2),
         "muon+sym": Rung("muon+sym", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer=symmetric_newton_schulz),
-                         f"standard NS, {precision}; " + _kernel_note(device, short, torch.bfloat16), 9),
+                         f"standard NS, {precision}; " + _kernel_note(device, short, torch.bfloat16), 8),
         "muon+gram": Rung("muon+gram", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="gram"),
                           f"Gram NS, {'fp16' if cuda else 'fp32'}; "
                           + _kernel_note(device, gram_sides, torch.float16), 7),
@@ -136,12 +142,17 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
         out[f"dion3_f{label}"] = Rung(
             f"dion3_f{label}", partial(orthoptim.Dion3, lr=0.01, fraction=f),
             f"Gram NS on {label} of the rows; " + _kernel_note(device, sides, torch.float16),
-            {0.5: 5, 0.25: 3, 0.125: 1}[f])
+            {0.5: 6, 0.25: 3, 0.125: 4}[f])
     out["dion_r1/4"] = Rung("dion_r1/4", partial(orthoptim.Dion, lr=0.01, rank_fraction=0.25),
-                            "rank ceil(min(m,n)/4), Cholesky-QR", 2)
+                            "rank ceil(min(m,n)/4), Cholesky-QR", 5)
     out["torch_muon"] = Rung("torch_muon", lambda p: torch.optim.Muon(p, lr=0.01),
-                             "torch.optim.Muon (bf16 NS): outside reference", 6)
+                             "torch.optim.Muon (bf16 NS): outside reference", 9)
     return out
+
+
+def _cpu_capability() -> str:
+    get = getattr(torch.backends.cpu, "get_cpu_capability", None)  # torch >= 2.1
+    return get() if get is not None else "unknown"
 
 
 def environment(device: torch.device, threads: int) -> dict[str, Any]:
@@ -158,7 +169,7 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
     except OSError:
         pass
     env = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": str(device), "cpu": cpu,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": threads,
+           "cpu_capability": _cpu_capability(), "threads": threads,
            "torch": torch.__version__, "python": platform.python_version(),
            "commit": git("rev-parse", "--short", "HEAD") or None,
            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
@@ -186,14 +197,39 @@ def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
             "copy_gb_per_s": 2 * x.numel() * x.element_size() / tc / 1e6}
 
 
+@contextmanager
+def torch_kernels() -> Iterator[None]:
+    """Count a step as the torch backend computes it: Triton kernels launch outside aten, where the
+    counters cannot see them. The FLOPs of symmetric products are then dense-equivalent (the Triton
+    kernels compute about half of each); timing and the CUDA memory peak use the real kernels."""
+    old = os.environ.get(kernels.ENV_VAR)
+    os.environ[kernels.ENV_VAR] = "torch"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[kernels.ENV_VAR]
+        else:
+            os.environ[kernels.ENV_VAR] = old
+
+
 def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
              args: argparse.Namespace) -> dict[str, Any]:
     params = make_params(shapes, device=device, dtype=dtype, seed=args.seed, on_device=device.type == "cuda")
     opt = rung.make(params)
     for _ in range(args.warmup):
         opt.step()
-    counts = count_step(opt.step, params, device)  # untimed: the counters slow the step down
+    cuda = device.type == "cuda"
+    with torch_kernels():
+        counts = count_step(opt.step, params, device)  # untimed: the counters slow the step down
+    peak, source = counts.peak_transient_bytes, counts.transient_source
+    if cuda:  # the allocator's peak over the timed steps, with the kernels they really use
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device)
     times = time_steps(opt.step, warmup=0, repeats=args.repeats, device=device)
+    if cuda:
+        peak, source = torch.cuda.max_memory_allocated(device) - baseline, "cuda allocator, timed steps"
     mb = largest_megabatch_bytes(params)
     param_bytes = tensor_bytes(params)
     st = state_bytes(opt)
@@ -202,8 +238,8 @@ def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dt
         "median_ms": ms, "times_ms": times, "flops": counts.flops, "gflop": counts.flops / 1e9,
         "bytes_moved": counts.bytes_moved, "gb_moved": counts.bytes_moved / 1e9, "passes": counts.passes,
         "elementwise_passes": counts.elementwise_passes, "state_bytes": st, "state_ratio": st / param_bytes,
-        "peak_transient_bytes": counts.peak_transient_bytes, "transient_ratio": counts.peak_transient_bytes / mb,
-        "transient_source": counts.transient_source, "gflop_per_s": counts.flops / ms / 1e6,
+        "peak_transient_bytes": peak, "transient_ratio": peak / mb,
+        "transient_source": source, "gflop_per_s": counts.flops / ms / 1e6,
         "gb_per_s": counts.bytes_moved / ms / 1e6,
         "top_ops": [{"op": op, "passes": p, "calls": c} for op, p, c in counts.top_ops(args.top_ops)],
         "ops": counts.ops,
@@ -224,6 +260,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         ms = r["median_ms"]
         r["vs_muon"] = ms / ref["muon"] if ms is not None and "muon" in ref else None
         r["vs_adamw"] = ms / ref["adamw"] if ms is not None and "adamw" in ref else None
+        r["vs_adamw_fused"] = ms / ref["adamw_fused"] if ms is not None and "adamw_fused" in ref else None
 
 
 def _fmt(value: Any, spec: str, suffix: str = "") -> str:
@@ -231,7 +268,7 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    head = ["set", "optimizer", "median ms", "vs muon", "vs adamw", "GFLOP/step", "GB moved", "passes (ew)",
+    head = ["set", "optimizer", "median ms", "vs muon", "vs adamw", "vs fused", "GFLOP/step", "GB moved", "passes (ew)",
             "state MB (×params)", "peak transient MB (×megabatch)", "GFLOP/s", "GB/s", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|"]
     for r in rows:
@@ -239,7 +276,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             cells = [r["set"], r["optimizer"]] + ["-"] * (len(head) - 3) + [r["note"]]
         else:
             cells = [r["set"], r["optimizer"], _fmt(r["median_ms"], ".1f"), _fmt(r["vs_muon"], ".3f"),
-                     _fmt(r["vs_adamw"], ".2f"), _fmt(r["gflop"], ".1f"), _fmt(r["gb_moved"], ".2f"),
+                     _fmt(r["vs_adamw"], ".2f"), _fmt(r["vs_adamw_fused"], ".2f"), _fmt(r["gflop"], ".1f"),
+                     _fmt(r["gb_moved"], ".2f"),
                      f"{r['passes']:.1f} ({r['elementwise_passes']:.1f})",
                      f"{r['state_bytes'] / 2**20:.0f} ({r['state_ratio']:.3f})",
                      f"{r['peak_transient_bytes'] / 2**20:.0f} ({r['transient_ratio']:.2f})",
@@ -284,6 +322,7 @@ def plot(rows: list[dict[str, Any]], sets: list[str], path: Path, title: str) ->
             ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                         fontsize=6.5, rotation=90 if len(sets) > 1 else 0, xytext=(0, 2), textcoords="offset points")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_xlim(-0.6, len(names) - 0.4)  # room for the "skipped" marks, which are not bars
     ax.set_yscale("log")
     ax.set_ylabel("optimizer.step() median, ms (log scale)")
     top = max((r["median_ms"] for r in rows if r["median_ms"] is not None), default=1.0)
@@ -297,6 +336,35 @@ def plot(rows: list[dict[str, Any]], sets: list[str], path: Path, title: str) ->
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
+
+
+def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
+    """Print the tables of a ladder run (fresh or loaded from its JSON) and draw its PNG."""
+    env, limits, rows = results["environment"], results["device_limits"], results["rows"]
+    cuda = env["device"].startswith("cuda")
+    for label in results["sets"]:
+        add_ratios([r for r in rows if r["set"] == label])
+    print(f"\noptimizer.step() ladder: {env['device']}{' (' + env['gpu'] + ')' if cuda else ''}, "
+          f"{results['dtype']}, {env['threads']} thread(s), torch {env['torch']}, commit {env['commit']}"
+          f"{' (+ uncommitted changes)' if env['uncommitted_changes'] else ''}; medians of {results['repeats']} "
+          f"after {results['warmup']} warm-up; device: matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s "
+          f"{limits['matmul_dtype']}, copy {limits['copy_gb_per_s']:.1f} GB/s\n")
+    for label, info in results["sets"].items():
+        print(f"- {label}: d_model {info['d_model']}, {info['layers']} of {info['preset_layers']} layers, "
+              f"{info['parameters'] / 1e6:.1f} M parameters = {info['param_bytes'] / 2**20:.0f} MiB, largest "
+              f"megabatch {info['largest_megabatch_bytes'] / 2**20:.0f} MiB")
+    print()
+    print(markdown_table(rows))
+    print("\npasses: bytes moved / parameter bytes (ew: without matrix products); transient: peak bytes allocated "
+          "during the step beyond parameters, gradients and state "
+          f"({'CUDA allocator' if cuda else 'dispatch-level tracker'})\n")
+    if top_ops:
+        print(top_ops_table(rows))
+    if png:
+        title = (f"optimizer.step() median, {env.get('gpu', env['cpu'])}, {env['threads']} thread(s), "
+                 f"{results['dtype']}, torch {env['torch']}")
+        plot(rows, list(results["sets"]), Path(png), title)
+        print(f"\nwrote {png}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,14 +384,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-ops", type=int, default=4, help="ops listed per rung in the bytes breakdown")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--png", default=None, help="bar chart of median ms here (needs matplotlib)")
+    parser.add_argument("--from-json", default=None, metavar="PATH",
+                        help="measure nothing: print the tables (and --png) of an earlier run's JSON")
     args = parser.parse_args(argv)
+    if args.png and not plots_available():
+        parser.error("--png needs matplotlib (pip install matplotlib, or pip install orthoptim[plot])")
+    if args.from_json:
+        report(json.loads(Path(args.from_json).read_text()), args.png, args.top_ops)
+        return 0
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error(f"--device {device}: CUDA is not available to this torch ({torch.__version__})")
-    if args.png and not plots_available():
-        parser.error("--png needs matplotlib (pip install matplotlib, or pip install orthoptim[plot])")
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     args.repeats = args.repeats if args.repeats is not None else (10 if cuda else 3)
     for flag, value, low in (("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
@@ -362,14 +435,12 @@ def main(argv: list[str] | None = None) -> int:
             results["wall_s"] = time.time() - started
             write_json(args.json, results)
 
-    set_labels = []
     for label, d_model, layers, full in sets:
         shapes = gpt_matrix_shapes(d_model, layers)
         if label.partition(":")[0] in GPU_ONLY_SETS and not cuda:
             say(f"ladder: skipping {label}: the 7B-like set is GPU-only ({sum(m * n for m, n in shapes) / 1e9:.1f} B "
                 "parameters; one Muon step would take hours on a CPU)")
             continue
-        set_labels.append(label)
         all_rungs = rungs(device, shapes)
         param_bytes = sum(m * n for m, n in shapes) * dtype.itemsize
         info = {"d_model": d_model, "layers": layers, "preset_layers": full,
@@ -381,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"ladder: set {label}: d_model {d_model}, {layers} of {full} layers, {len(shapes)} matrices, "
             f"{info['parameters'] / 1e6:.1f} M parameters ({param_bytes / 2**20:.0f} MiB)")
         rows: dict[str, dict[str, Any]] = {}
-        for rung in sorted((all_rungs[n] for n in wanted), key=lambda r: r.cost):
+        for rung in sorted((all_rungs[n] for n in wanted), key=lambda r: r.priority):
             why = None
             if rung.name == "adamw_fused" and no_fused:
                 why = f"fused AdamW does not run on {device.type} ({no_fused})"
@@ -415,29 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             results["rows"] = [r for r in results["rows"] if r["set"] != label] + ordered
             save()
 
-    rows_out = results["rows"]
-    print(f"\noptimizer.step() ladder: {device}{' (' + env['gpu'] + ')' if cuda else ''}, {args.dtype}, "
-          f"{env['threads']} thread(s), torch {env['torch']}, commit {env['commit']}"
-          f"{' (+ uncommitted changes)' if env['uncommitted_changes'] else ''}; medians of {args.repeats} "
-          f"after {args.warmup} warm-up; device: matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s "
-          f"{limits['matmul_dtype']}, copy {limits['copy_gb_per_s']:.1f} GB/s\n")
-    for label in set_labels:
-        info = results["sets"][label]
-        print(f"- {label}: d_model {info['d_model']}, {info['layers']} of {info['preset_layers']} layers, "
-              f"{info['parameters'] / 1e6:.1f} M parameters = {info['param_bytes'] / 2**20:.0f} MiB, largest "
-              f"megabatch {info['largest_megabatch_bytes'] / 2**20:.0f} MiB")
-    print()
-    print(markdown_table(rows_out))
-    print("\npasses: bytes moved / parameter bytes (ew: without matrix products); transient: peak bytes allocated "
-          "during the step beyond parameters, gradients and state "
-          f"({'CUDA allocator' if cuda else 'dispatch-level tracker'})\n")
-    if args.top_ops:
-        print(top_ops_table(rows_out))
-    if args.png:
-        title = (f"optimizer.step() median, {env.get('gpu', env['cpu'])}, {env['threads']} thread(s), "
-                 f"{args.dtype}, torch {env['torch']}")
-        plot(rows_out, set_labels, Path(args.png), title)
-        print(f"\nwrote {args.png}")
+    report(results, args.png, args.top_ops)
     save()
     if args.json:
         print(f"wrote {args.json}")

@@ -54,6 +54,7 @@ def test_elementwise_bytes():
     assert count_step(lambda: x + y, [x]).bytes_moved == 3 * n * F32  # read x, y; write the sum
     assert count_step(lambda: x.copy_(y), [x]).bytes_moved == 2 * n * F32  # copy_ does not read x
     assert count_step(lambda: x.view(10, 100).mT, [x]).bytes_moved == 0  # views are free
+    assert count_step(lambda: torch.empty(n), [x]).bytes_moved == 0  # so is an allocation
     xs, ys = [torch.randn(n) for _ in range(3)], [torch.randn(n) for _ in range(3)]
     counts = count_step(lambda: torch._foreach_add_(xs, ys), xs)
     assert counts.bytes_moved == 3 * 3 * n * F32 and counts.passes == 3.0
@@ -110,6 +111,14 @@ def test_state_bytes_match_the_design():
     adamw = torch.optim.AdamW(params, foreach=True)
     adamw.step()  # torch creates AdamW's state on the first step
     assert state_bytes(adamw) == 2 * p_bytes  # the 0-dim step counters are not counted
+
+
+def test_adamw_passes():
+    """Fused AdamW moves the minimum: read X, G, m, v, write X, m, v = 7 passes over parameter memory."""
+    params = make_params(gpt_matrix_shapes(16, 1))
+    fused = torch.optim.AdamW(params, fused=True)
+    fused.step()
+    assert count_step(fused.step, params).passes == pytest.approx(7.0, abs=0.01)  # + the step counters
 
 
 def test_megabatches():
@@ -184,3 +193,8 @@ def test_ladder_smoke(tmp_path, capsys):
     assert rows["muon"]["gflop"] > rows["dion3_f1/4"]["gflop"] > 0 and rows["adamw"]["gflop"] == 0
     assert "torch fallback" in rows["muon+sym"]["note"]
     assert results["environment"]["threads"] == 1
+    # The tables and the plot again from the JSON alone, without measuring.
+    png = tmp_path / "ladder.png"
+    assert ladder.main(["--from-json", str(out), "--png", str(png)]) == 0
+    assert "| d32x1 | muon |" in capsys.readouterr().out
+    assert png.stat().st_size > 5_000

@@ -37,6 +37,8 @@ _GATHERS = {"index_select", "index", "gather", "take", "masked_select"}
 _SCATTERS_WRITE = {"index_copy_", "scatter_", "index_fill_", "masked_scatter_"}
 _SCATTERS_ACCUMULATE = {"index_add_", "scatter_add_", "scatter_reduce_", "index_reduce_", "index_put_",
                         "_index_put_impl_"}
+# Allocation without initialization: no data moves.
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
 # Matrix products and factorizations; everything else is counted as elementwise / data movement.
 MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_scaled_mm", "addbmm", "addbmm_",
               "linalg_cholesky_ex", "linalg_solve_triangular", "linalg_qr", "geqrf", "orgqr", "triangular_solve",
@@ -113,11 +115,13 @@ class TrafficMode(TorchDispatchMode):
     """Counts bytes read and written by every aten op while active, and (``track_memory``) the bytes
     of storages that ops allocate, live at once.
 
-    The byte count is an upper-bound model of memory traffic: every op reads each tensor input once
-    and writes each output once, with no cache reuse between ops and no fusion credited inside one
-    op (a matmul is charged its inputs and output once, the minimum any tiling can reach). Views cost
-    nothing; an in-place op reads and writes its mutated argument (``copy_``, ``fill_`` and ``zero_``
-    only write it); gathers (``index_select``, ``gather``, ...) read as many elements as they write;
+    The byte count is an upper-bound model of the memory traffic between ops: each op reads every
+    tensor input from memory and writes every output to memory, with no credit for data still in
+    cache from an earlier op, and no fusion across ops. Inside one op each operand counts once (what
+    an ideally fused and tiled kernel moves; a large matmul re-reads tiles, so it can move more).
+    Views cost nothing, and so do allocations (``empty``). An in-place op reads and writes its
+    mutated argument (``copy_``, ``fill_`` and ``zero_`` only write it; fused optimizers only read
+    ``grads``); gathers (``index_select``, ``gather``, ...) read as many elements as they write;
     in-place scatters (``index_copy_``, ``index_add_``, ...) touch only the slices their source covers.
 
     Memory: an op's output whose storage is not one of its inputs' storages is a new allocation; it
@@ -164,6 +168,8 @@ class TrafficMode(TorchDispatchMode):
 
     @staticmethod
     def _traffic(name: str, schema: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+        if name in _NO_TRAFFIC:
+            return 0, 0
         read = written = 0
         out_bytes = sum(_nbytes(t) for t in _tensors(out))
         source_bytes = 0
@@ -179,6 +185,8 @@ class TrafficMode(TorchDispatchMode):
                 continue
             size = sum(_nbytes(t) for t in tensors)
             mutated = arg.alias_info is not None and arg.alias_info.is_write
+            if mutated and name.startswith("_fused_") and arg.name == "grads":
+                mutated = False  # marked mutable for unscaling (grad_scale), only read by the update itself
             is_out = getattr(arg, "is_out", arg.kwarg_only and mutated)
             if mutated and is_out:
                 written += size
