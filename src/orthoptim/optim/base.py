@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
 from orthoptim.distributed.factor_sharding import FactorSharding, factor_sharding
+from orthoptim.distributed.gather import full_tensors
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, shard_rows
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
@@ -91,21 +92,25 @@ class _Gathered:
     """Whole copies of a sharded matrix's momentum, gradient and row variance for one step.
 
     The rule runs on these with a zero "parameter" that collects the update (its weight decay is
-    applied on the shard directly); ``write_back`` keeps each rank's block.
+    applied on the shard directly); ``write_back`` keeps each rank's block. ``gather_all`` builds
+    them for many parameters with one set of collectives per layout.
     """
 
-    def __init__(self, p: Tensor, state: dict[str, Any], stats: CommStats | None):
+    def __init__(self, p: Tensor, state: dict[str, Any], momentum: Tensor, grad: Tensor, variance: Tensor | None):
         self.p, self.state = p, state
-
-        def whole(t: Tensor) -> Tensor:
-            if stats is not None:
-                stats.record("all_gather", t.to_local().numel() * t.element_size())
-            return t.full_tensor().contiguous()
-
-        self.momentum = whole(state["momentum"])
-        self.grad = whole(p.grad)
-        self.variance = whole(state["variance"]) if "variance" in state else None
+        self.momentum, self.grad, self.variance = momentum, grad, variance
         self.delta = torch.zeros(p.shape, dtype=p.dtype, device=self.momentum.device)
+
+    @classmethod
+    def gather_all(cls, params: list[Tensor], states: list[dict[str, Any]],
+                   stats: CommStats | None) -> list[_Gathered]:
+        with_variance = [s for s in states if "variance" in s]
+        whole = full_tensors([s["momentum"] for s in states] + [p.grad for p in params]
+                             + [s["variance"] for s in with_variance], stats)
+        n = len(params)
+        variances = iter(whole[2 * n:])
+        return [cls(p, s, whole[i], whole[n + i], next(variances) if "variance" in s else None)
+                for i, (p, s) in enumerate(zip(params, states))]
 
     @staticmethod
     def _block(full: Tensor, like: Tensor) -> Tensor:
@@ -524,13 +529,14 @@ class OrthonormalOptimizer(Optimizer):
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         algorithm = group["algorithm"]
         matrices: list[_Matrix] = []
-        gathered: list[_Gathered] = []
+        to_gather = [p for p in params if self._layout(p, group) == "gathered"]
+        gathered = _Gathered.gather_all(to_gather, [self.state[p] for p in to_gather], self.comm_stats)
+        whole_of = dict(zip(to_gather, gathered))
         for p in params:
             state = self.state[p]
             layout = self._layout(p, group)
             if layout == "gathered":
-                whole = _Gathered(p, state, self.comm_stats)
-                gathered.append(whole)
+                whole = whole_of[p]
                 x, m, grad = whole.delta, whole.momentum, whole.grad
             else:
                 x, m = _local(p), _local(state["momentum"])
@@ -563,7 +569,7 @@ class OrthonormalOptimizer(Optimizer):
             extra: list[Any]
             ranks = [0] * view.num_matrices
             if algorithm in ("normuon", "dion3"):
-                extra = view.row_vectors(gathered[-1].variance if layout == "gathered" else _local(state["variance"]))
+                extra = view.row_vectors(whole_of[p].variance if layout == "gathered" else _local(state["variance"]))
             elif algorithm == "dion":
                 ranks = self._dion_ranks(view, group["rank_fraction"])
                 extra = [state["Q"][i, :, :r] for i, r in enumerate(ranks)]
