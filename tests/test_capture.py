@@ -150,3 +150,13 @@ def test_capturable_state_dict_round_trip_keeps_device_steps_and_tensor_lrs():
     assert isinstance(fresh.param_groups[0]["lr"], torch.Tensor)
     assert fresh.state[params[3]]["step"].device == params[3].device
     assert float(fresh.state[params[3]]["step"]) == 2.0
+
+
+def test_tensor_learning_rate_is_accepted_and_checked():
+    params = _model()
+    opt = orthoptim.Dion3(params[:3], lr=torch.tensor(0.02), capturable=True)
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    with pytest.raises(ValueError, match="lr="):
+        orthoptim.Dion3(params[:3], lr=torch.tensor(float("nan")))
+    with pytest.raises(ValueError, match="lr="):
+        orthoptim.Dion3(params[:3], lr=torch.tensor([0.1, 0.2]))

@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from orthoptim.orthogonalize import get_orthogonalizer
 from orthoptim.rules.lr_scale import ADJUST_LR_MODES
 
@@ -19,6 +21,8 @@ QR_METHODS = ("cholesky_qr", "qr")
 
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     value = group[key]
+    if key == "lr" and isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+        value = float(value)  # a tensor learning rate (capturable steps); read once, at construction
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key}={value!r} in {where} must be a finite number")
     return float(value)
