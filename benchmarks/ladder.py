@@ -1,6 +1,6 @@
 """The benchmark ladder: what one optimizer step costs on GPT-shaped matrix sets, rung by rung.
 
-    python benchmarks/ladder.py                                  # CPU: 124m:4, 1 thread (~4 min on one AVX2 core)
+    python benchmarks/ladder.py                                  # CPU: 124m:4, 1 thread (~3 min on one AVX2 core)
     python benchmarks/ladder.py --sets 124m,1b:1 --json results/ladder.json --png results/ladder.png
     python benchmarks/ladder.py --device cuda --sets 124m,1b,7b:8 --json out/ladder.json
 

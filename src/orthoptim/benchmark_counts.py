@@ -17,19 +17,27 @@ import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 aten = torch.ops.aten
 
+
+def _flop_counter() -> ModuleType:
+    """``torch.utils.flop_counter``, imported on first use: it imports triton when installed, and
+    importing this module must not (the Triton interpreter tests have to import triton first)."""
+    import torch.utils.flop_counter
+
+    return torch.utils.flop_counter
+
 # Ops that overwrite their mutated argument without reading it (the rest read and write it).
 _WRITE_ONLY = {"copy_", "_foreach_copy_", "fill_", "_foreach_fill_", "zero_", "_foreach_zero_", "normal_",
-               "uniform_", "random_", "set_", "resize_"}
+               "uniform_", "random_"}
 # Gathers read only the selected elements of their source: as many as they write.
 _GATHERS = {"index_select", "index", "gather", "take", "masked_select"}
 # In-place scatters touch only the selected slices of ``self``: as many elements as the source holds.
@@ -37,8 +45,9 @@ _GATHERS = {"index_select", "index", "gather", "take", "masked_select"}
 _SCATTERS_WRITE = {"index_copy_", "scatter_", "index_fill_", "masked_scatter_"}
 _SCATTERS_ACCUMULATE = {"index_add_", "scatter_add_", "scatter_reduce_", "index_reduce_", "index_put_",
                         "_index_put_impl_"}
-# Allocation without initialization: no data moves.
-_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+# Allocation without initialization, or metadata only: no data moves.
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
+               "resize_", "set_"}
 # Matrix products and factorizations; everything else is counted as elementwise / data movement.
 MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_scaled_mm", "addbmm", "addbmm_",
               "linalg_cholesky_ex", "linalg_solve_triangular", "linalg_qr", "geqrf", "orgqr", "triangular_solve",
@@ -51,10 +60,6 @@ def _tensors(value: Any) -> list[Tensor]:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def _shape(t: Tensor) -> tuple[int, ...]:
-    return tuple(t.shape)
 
 
 def _storage(t: Tensor) -> torch.UntypedStorage | None:
@@ -72,7 +77,7 @@ def _linalg_flops(name: str, args: tuple, kwargs: dict, out: Any) -> int:
 
     FlopCounterMode leaves these out; they are small next to the matmuls (r×r or m×r with r ≪ n).
     """
-    if name == "linalg_cholesky_ex":  # n³/3 multiply-adds per matrix
+    if name == "linalg_cholesky_ex":  # n³/3 per matrix
         a = args[0]
         n = a.shape[-1]
         return int(math.prod(a.shape[:-2]) * n**3 / 3)
@@ -91,14 +96,15 @@ def _linalg_flops(name: str, args: tuple, kwargs: dict, out: Any) -> int:
 
 def _matmul_flops_missing(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     """FLOPs of an op that FlopCounterMode's registry does not cover: in-place matmuls, factorizations."""
+    registry = _flop_counter().flop_registry
     packet = func.overloadpacket
-    if packet in flop_registry:
+    if packet in registry:
         return 0
     name = packet.__name__
     if name.endswith("_") and not name.startswith("_"):
         base = getattr(aten, name[:-1], None)
-        if base is not None and base in flop_registry:
-            return int(flop_registry[base](*args, **kwargs, out_val=out))
+        if base is not None and base in registry:
+            return int(registry[base](*args, **kwargs, out_val=out))
     return _linalg_flops(name, args, kwargs, out)
 
 
@@ -172,14 +178,11 @@ class TrafficMode(TorchDispatchMode):
             return 0, 0
         read = written = 0
         out_bytes = sum(_nbytes(t) for t in _tensors(out))
-        source_bytes = 0
-        for i, arg in enumerate(schema.arguments):
-            if arg.name in ("source", "src", "values", "value") and i < len(args):
-                source_bytes += sum(_nbytes(t) for t in _tensors(args[i]))
-            elif arg.name in ("source", "src", "values", "value") and arg.name in kwargs:
-                source_bytes += sum(_nbytes(t) for t in _tensors(kwargs[arg.name]))
-        for i, arg in enumerate(schema.arguments):
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
+        values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
+        # What a scatter writes into ``self``.
+        source_bytes = sum(_nbytes(t) for a, v in zip(schema.arguments, values)
+                           if a.name in ("source", "src", "values", "value") for t in _tensors(v))
+        for i, (arg, value) in enumerate(zip(schema.arguments, values)):
             tensors = _tensors(value)
             if not tensors:
                 continue
@@ -308,7 +311,7 @@ def count_step(step: Callable[[], Any], params: Sequence[Tensor], device: str | 
         torch.cuda.reset_peak_memory_stats(device)
         baseline = torch.cuda.memory_allocated(device)
     traffic = TrafficMode(track_memory=not cuda)
-    flop_mode = FlopCounterMode(display=False)
+    flop_mode = _flop_counter().FlopCounterMode(display=False)
     with flop_mode, traffic:
         step()
     if cuda:
