@@ -51,8 +51,8 @@ print("gpu_check:", info)
 EOF
 
 status=0
-echo "gpu_check: kernel tests (compiled kernels on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
-timeout 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py \
+echo "gpu_check: kernel and CUDA-graph capture tests (compiled kernels on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
+timeout 170 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_triton.py tests/test_capture.py \
     --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.txt"
 test_rc=${PIPESTATUS[0]}
 if [ "$test_rc" -ne 0 ]; then

@@ -18,9 +18,7 @@ import torch
 from torch import Tensor
 
 import orthoptim
-from orthoptim import kernels
-from orthoptim.orthogonalize import POLAR_EXPRESS, as_coefficients, svd_polar
-from orthoptim.orthogonalize._common import as_batch, normalize, working_dtype
+from orthoptim.orthogonalize import POLAR_EXPRESS, newton_schulz, svd_polar
 
 # d_model, layers: shapes of the matrices of GPT-style models of roughly these sizes (embeddings,
 # norms and the head are not matrices an orthonormal rule sees, so they are left out). MLP 4·d_model:
@@ -145,30 +143,8 @@ def orthogonalization_error(orthogonalize: Callable[[Tensor], Tensor], shape: tu
     return float(torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact))
 
 
-def symmetric_newton_schulz(
-    x: Tensor,
-    coefficients: str | Sequence[Sequence[float]] = POLAR_EXPRESS,
-    *,
-    dtype: torch.dtype | None = None,
-    eps: float = 1e-7,
-) -> Tensor:
-    """Standard Newton-Schulz (as ``orthoptim.newton_schulz``) whose two symmetric products, A = X Xᵀ
-    and bA + cA², go through ``orthoptim.kernels`` (Triton lower-triangle kernels on CUDA when
-    ``ORTHOPTIM_KERNELS`` allows, the torch backend elsewhere). The ladder's "muon+sym" rung: what
-    the symmetric kernels alone buy before the Gram form changes the iteration."""
-    coeffs = as_coefficients(coefficients)
-    batch, lead = as_batch(x)
-    transposed = batch.shape[-2] > batch.shape[-1]
-    if transposed:
-        batch = batch.mT
-    X = normalize(batch, working_dtype(x, dtype, torch.bfloat16), eps)
-    for a, b, c in coeffs:
-        A = kernels.gram(X)
-        B = kernels.symmetric_polynomial(A, 0.0, b, c)  # bA + cA²
-        X = torch.baddbmm(X, B, X, beta=a)  # aX + BX
-    if transposed:
-        X = X.mT
-    return X.to(x.dtype).reshape(*lead, *X.shape[-2:])
+# The ladder's "muon+sym" rung: standard Newton-Schulz with its symmetric products on the kernels.
+symmetric_newton_schulz = partial(newton_schulz, coefficients=POLAR_EXPRESS, symmetric_kernels=True)
 
 
 def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:

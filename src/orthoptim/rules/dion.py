@@ -61,7 +61,11 @@ def dion_update(
         b.addmm_(pi, ri[columns].mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
     q_new = normalize_columns(r, eps)
     torch._foreach_copy_(right_factors, list(q_new.unbind(0)))
-    weight_decay.decay_(params, lr, weight_decay_rate)
-    for x, pi, qi in zip(params, p, q_new):
-        pi, alpha = weight_decay.scaled(pi.to(x.dtype), -lr * scale)  # a tensor lr scales the small P
-        x.addmm_(pi, qi[columns].mT.to(x.dtype), alpha=alpha)
+    if isinstance(lr, Tensor):  # capturable: the tensor lr scales the small P; decay as its own pass
+        weight_decay.decay_(params, lr, weight_decay_rate)
+        for x, pi, qi in zip(params, p, q_new):
+            pi, alpha = weight_decay.scaled(pi.to(x.dtype), -lr * scale)
+            x.addmm_(pi, qi[columns].mT.to(x.dtype), alpha=alpha)
+        return
+    for x, pi, qi in zip(params, p, q_new):  # X ← (1 − lr·wd)·X − lr·s·P Qᵀ in one pass over X
+        x.addmm_(pi.to(x.dtype), qi[columns].mT.to(x.dtype), beta=1.0 - lr * weight_decay_rate, alpha=-lr * scale)
