@@ -61,6 +61,10 @@ DEFAULT_ORTHOGONALIZER = {"dion3": "gram", "dion2": "polar_express", "muon": "po
                           "normuon": "polar_express"}
 # Keys that are not hyperparameters but may legitimately sit in a group.
 _BOOKKEEPING_KEYS = {"params", "param_names", "name", "initial_lr"}
+# Single process, a megabatch is orthogonalized in up to this many parts of at least this many
+# elements (see OrthonormalOptimizer._memory_chunks): transient memory vs the size of batched calls.
+MEMORY_CHUNKS = 4
+CHUNK_MIN_ELEMENTS = 1 << 20
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
 _DION_Q_SEED = 20250405
 
@@ -580,8 +584,9 @@ class OrthonormalOptimizer(Optimizer):
 
         lr, wd = group["lr"], group["weight_decay"]
         # Keyed by the full shape, so every rank forms the same batches in the same order.
-        for batch in megabatches(matrices, key=lambda m: (m.full_shape, m.param.dtype, m.param.device, m.rank,
-                                                           m.layout, m.sharding.key if m.sharding else None)):
+        batches = megabatches(matrices, key=lambda m: (m.full_shape, m.param.dtype, m.param.device, m.rank,
+                                                        m.layout, m.sharding.key if m.sharding else None))
+        for batch in (part for whole in batches for part in self._memory_chunks(whole, algorithm)):
             xs = [m.param for m in batch]
             gs = [m.grad for m in batch]
             ms = [m.momentum for m in batch]
@@ -634,6 +639,21 @@ class OrthonormalOptimizer(Optimizer):
                                   columns=columns, **common)
         for whole in gathered:
             whole.write_back(lr, wd)
+
+    def _memory_chunks(self, batch: list[_Matrix], algorithm: str) -> list[list[_Matrix]]:
+        """A big megabatch in ``MEMORY_CHUNKS`` parts when nothing is communicated: an orthogonalization
+        holds about five batch-sized temporaries (stacked input, X, X Xᵀ, the polynomial, the next X),
+        so a quarter of the batch at a time keeps the step's transient memory near 1.25x the batch.
+        Each part still has at least ``CHUNK_MIN_ELEMENTS`` elements, enough work for one batched call."""
+        communicates = self._process_group is not None or self._replicate_group is not None
+        if communicates or algorithm == "dion" or batch[0].layout != "replicated":
+            return [batch]
+        total = sum(m.param.numel() for m in batch)
+        parts = min(MEMORY_CHUNKS, len(batch), total // CHUNK_MIN_ELEMENTS)
+        if parts <= 1:
+            return [batch]
+        size = -(-len(batch) // parts)
+        return [batch[i : i + size] for i in range(0, len(batch), size)]
 
     def _scalar_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         beta1, beta2 = group["betas"]
