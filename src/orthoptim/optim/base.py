@@ -671,9 +671,8 @@ class OrthonormalOptimizer(Optimizer):
             if group["algorithm"] == "adamw":
                 steps = [s["step"] for s in states]
                 torch._foreach_add_(steps, 1.0)
-                rules.adamw_update(xs, grads, exp_avgs, [_local(s["exp_avg_sq"]) for s in states],
-                                   steps if self.capturable else int(steps[0]), lr=group["lr"], beta1=beta1,
-                                   beta2=beta2,
+                rules.adamw_update(xs, grads, exp_avgs, [_local(s["exp_avg_sq"]) for s in states], steps,
+                                   lr=group["lr"], beta1=beta1, beta2=beta2,
                                    eps=group["epsilon"], weight_decay_rate=group["weight_decay"])
             else:
                 rules.lion_update(xs, grads, exp_avgs, lr=group["lr"], beta1=beta1, beta2=beta2,
