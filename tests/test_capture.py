@@ -160,3 +160,34 @@ def test_tensor_learning_rate_is_accepted_and_checked():
         orthoptim.Dion3(params[:3], lr=torch.tensor(float("nan")))
     with pytest.raises(ValueError, match="lr="):
         orthoptim.Dion3(params[:3], lr=torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="lr="):
+        orthoptim.Dion3(params[:3], lr=torch.tensor([0.1]))  # one element, but not a 0-dim tensor
+
+
+def test_groups_inheriting_a_tensor_lr_get_their_own_copy():
+    params = _model()
+    opt = orthoptim.Muon([{"params": params[:2]}, {"params": params[2:3]}], lr=torch.tensor(0.02), capturable=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, [lambda t: 1.0, lambda t: 0.1])
+    schedule.step()
+    assert math.isclose(float(opt.param_groups[0]["lr"]), 0.02, rel_tol=1e-6)
+    assert math.isclose(float(opt.param_groups[1]["lr"]), 0.002, rel_tol=1e-6)
+
+
+def test_capture_refuses_global_row_selection():
+    with pytest.raises(ValueError, match="selection_scope='global'"):
+        orthoptim.Dion3(_model()[:1], selection_scope="global", capturable=True)
+
+
+def test_nonfinite_flags_are_the_same_buffers_every_step():
+    params = _model()[:3]
+    opt = orthoptim.Muon(params, capturable=True)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    opt.step()
+    flags, found = opt._nonfinite_flags[1], opt.nonfinite_found
+    params[1].grad[0, 0] = float("inf")
+    opt.step()
+    assert opt._nonfinite_flags[1] is flags and opt.nonfinite_found is found  # what a graph would write
+    assert bool(found)
+    with pytest.raises(orthoptim.NonFiniteGradientError):
+        opt.check_nonfinite()

@@ -273,17 +273,35 @@ def test_quack_backend_runs_gram_newton_schulz_and_matches_torch(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("failure", ["raises", "wrong"])
-def test_quack_backend_that_fails_is_switched_off_with_one_warning(monkeypatch, failure):
+@pytest.mark.parametrize("failure", ["raises", "zeros"])
+@pytest.mark.parametrize("k", [8, 64])
+def test_quack_backend_that_fails_is_switched_off_with_one_warning(monkeypatch, failure, k):
     def broken(a, b, C=None, alpha=1.0, beta=1.0):
         if failure == "raises":
             raise TypeError("unexpected keyword")  # e.g. an interface change between releases
         return torch.zeros(a.shape[0], a.shape[1], b.shape[-1])
 
     quack = _fake_quack(monkeypatch, broken)
-    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, k, 4 * k, generator=torch.Generator().manual_seed(1))
+    x = x / x.norm(dim=(-2, -1), keepdim=True)  # as Newton-Schulz calls it: small Gram entries
     with pytest.warns(RuntimeWarning, match="QuACK"):
         got = kernels.gram(x)
     torch.testing.assert_close(got, x @ x.mT)  # the torch result, not the broken one
     assert quack._disabled is not None
-    assert kernels.backend(x, 8) == "torch"
+    assert kernels.backend(x, k) == "torch"
+
+
+def test_quack_backend_is_checked_per_product(monkeypatch):
+    """A kernel right for X Xᵀ but wrong with a C operand is caught at the polynomial's first use."""
+    def ignores_c(a, b, C=None, alpha=1.0, beta=1.0):
+        return alpha * (a @ b)
+
+    quack = _fake_quack(monkeypatch, ignores_c)
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(kernels.gram(x), x @ x.mT)
+    assert quack._disabled is None
+    r = x @ x.mT
+    with pytest.warns(RuntimeWarning, match="symmetric_polynomial"):
+        got = kernels.symmetric_polynomial(r, 1.5, -0.5, 0.25)
+    want = 1.5 * torch.eye(16) - 0.5 * r + 0.25 * r @ r
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

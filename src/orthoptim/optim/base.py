@@ -197,6 +197,11 @@ class OrthonormalOptimizer(Optimizer):
             )
         merged = {**self.defaults, **param_group}
         validate_group(merged, f"param group {index}")
+        if self.capturable and merged["selection_scope"] == "global" and merged["algorithm"] in ("dion2", "dion3"):
+            raise ValueError(
+                f"param group {index}: selection_scope='global' sizes its row exchange from the selected rows "
+                "on the host, which capturable=True rules out; use selection_scope='local' or capturable=False"
+            )
         if self.capturable and merged["nonfinite"] == "skip":
             raise ValueError(
                 f"param group {index}: nonfinite='skip' needs a host sync each step, which capturable=True "
@@ -231,8 +236,11 @@ class OrthonormalOptimizer(Optimizer):
                              "capturable=True each group's parameters must be on one device")
         device = devices.pop() if devices else torch.device("cpu")
         lr = group["lr"]
-        group["lr"] = (lr.detach().to(device=device, dtype=torch.float32) if isinstance(lr, Tensor)
-                       else torch.tensor(float(lr), dtype=torch.float32, device=device))
+        # A copy per group: groups that inherit one default must not share the tensor a scheduler fills.
+        if isinstance(lr, Tensor):
+            group["lr"] = lr.detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
+        else:
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
 
     def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):
@@ -253,7 +261,7 @@ class OrthonormalOptimizer(Optimizer):
                                  "inner_shard_mesh=<its tensor-parallel mesh> to Dion")
             factor_sharding(p, label, self._dion_meshes())
             return
-        if self._process_group is None and self._inner_group is None:
+        if self._process_group is None and (self._inner_group is None or group["algorithm"] in MATRIX_ALGORITHMS):
             raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
         sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
         if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
@@ -431,9 +439,16 @@ class OrthonormalOptimizer(Optimizer):
         """Capturable: record which gradients are non-finite without reading the verdict back."""
         params = [p for _, ps in work for p in ps]
         if params:
-            finite = self._finite(params)
-            self._nonfinite_flags = (params, ~finite)
-            self.nonfinite_found = (~finite).any()
+            bad = ~self._finite(params)
+            held = self._nonfinite_flags
+            if held is not None and held[0] == params:
+                # The same buffers every step: a captured graph writes the ones check_nonfinite reads,
+                # also when eager steps run in between.
+                held[1].copy_(bad)
+                self.nonfinite_found.copy_(bad.any())
+            else:
+                self._nonfinite_flags = (params, bad)
+                self.nonfinite_found = bad.any()
         return work
 
     def check_nonfinite(self) -> None:
@@ -473,23 +488,20 @@ class OrthonormalOptimizer(Optimizer):
         return [(g, [p for p in ps if p not in bad]) for g, ps in work]
 
     def _verdict_groups(self, params: list[Tensor]) -> list[dist.ProcessGroup]:
-        """Every group over which gradients may differ: the optimizer's meshes and each mesh dimension
-        that shards a DTensor parameter (e.g. tensor parallelism next to FSDP). Groups with the same
-        ranks are reduced once; the order only depends on the meshes, so it is the same on every rank."""
+        """Every group over which gradients may differ: the optimizer's meshes, in a fixed order, and
+        the whole world when a parameter is also sharded over a mesh dimension none of them covers
+        (e.g. tensor parallelism next to FSDP's distributed_mesh). One world-wide reduction rather than
+        one per such dimension keeps the sequence of collectives the same on every rank."""
         groups = [g for g in (self._process_group, self._replicate_group, self._inner_group) if g is not None]
-        seen = {tuple(dist.get_process_group_ranks(g)) for g in groups}
-        meshes = {}
+        covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
         for p in params:
-            if isinstance(p, DTensor):
-                for dim, placement in enumerate(p.placements):
-                    if not isinstance(placement, Replicate):
-                        meshes.setdefault((tuple(p.device_mesh.mesh.flatten().tolist()), dim), (p.device_mesh, dim))
-        for key in sorted(meshes):
-            group = meshes[key][0].get_group(meshes[key][1])
-            ranks = tuple(dist.get_process_group_ranks(group))
-            if ranks not in seen:
-                seen.add(ranks)
-                groups.append(group)
+            if not isinstance(p, DTensor):
+                continue
+            for dim, placement in enumerate(p.placements):
+                if isinstance(placement, Replicate):
+                    continue
+                if tuple(dist.get_process_group_ranks(p.device_mesh.get_group(dim))) not in covered:
+                    return [*groups, dist.group.WORLD]
         return groups
 
     @staticmethod

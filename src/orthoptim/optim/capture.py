@@ -36,6 +36,10 @@ HOST_SYNC_OPS = frozenset({
 })
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Records every op in ``HOST_SYNC_OPS`` run inside the ``with`` block (``.names``)."""
 
@@ -82,7 +86,9 @@ class CapturedStep:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _current_layout(self) -> tuple:
-        grads = tuple(None if p.grad is None else (p.grad.data_ptr(), tuple(p.grad.shape)) for p in self._params())
+        # A DTensor's own data_ptr() is 0: the address that matters is its local shard's.
+        grads = tuple(None if p.grad is None else (id(p.grad), _local(p.grad).data_ptr(), tuple(p.grad.shape))
+                      for p in self._params())
         lrs = tuple(id(g["lr"]) for g in self.optimizer.param_groups)
         return grads, lrs
 

@@ -21,7 +21,7 @@ QR_METHODS = ("cholesky_qr", "qr")
 
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     value = group[key]
-    if key == "lr" and isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+    if key == "lr" and isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
         value = float(value)  # a tensor learning rate (capturable steps); read once, at construction
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key}={value!r} in {where} must be a finite number")

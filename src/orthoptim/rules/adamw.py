@@ -29,7 +29,7 @@ def adamw_update(
     otherwise, with device tensors (capturable), the bias corrections are computed on the device,
     so the step never reads a value back to the host.
     """
-    if _fused_applies(params, step):
+    if _fused_applies([params, grads, exp_avgs, exp_avg_sqs], step):
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], step, amsgrad=False, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=weight_decay_rate, eps=eps, maximize=False)
         return
@@ -65,12 +65,16 @@ def adamw_update(
 _FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _fused_applies(params: list[Tensor], step: int | list[Tensor]) -> bool:
+def _fused_applies(lists: list[list[Tensor]], step: int | list[Tensor]) -> bool:
     """torch's fused AdamW (torch >= 2.4 on CPU) takes step tensors on the parameters' device."""
+    params = lists[0]
     if not hasattr(torch, "_fused_adamw_") or not isinstance(step, list) or not params:
         return False
     device, dtype = params[0].device, params[0].dtype
-    return (device.type in ("cpu", "cuda") and dtype in _FUSED_DTYPES
+    if not (device.type in ("cpu", "cuda") and dtype in _FUSED_DTYPES
             and all(p.device == device and p.dtype == dtype for p in params)
-            and all(s.device == device and s.dtype == torch.float32 for s in step))
+            and all(s.device == device and s.dtype == torch.float32 for s in step)):
+        return False
+    # The CPU kernel walks memory linearly: parameter, gradient and state must share one dense layout.
+    return all(t.is_contiguous() for ts in lists for t in ts)
 

@@ -55,7 +55,7 @@ def scatter_slices_(targets: list[Tensor], index: Index, values: Tensor, dim: in
 def add_slices_(targets: list[Tensor], index: Index, values: Tensor, dim: int, alpha: float | Tensor) -> None:
     """targets[i][S_i] ← targets[i][S_i] + alpha · values[i] along ``dim`` (alpha: a number or 0-dim tensor)."""
     if isinstance(alpha, Tensor):
-        values, alpha = values * alpha.to(values.dtype), 1.0
+        values, alpha = values * alpha, 1.0
     for i, t in enumerate(targets):
         t.index_add_(dim, index[i], values[i].narrow(dim, 0, len(index[i])).to(t.dtype), alpha=alpha)
 

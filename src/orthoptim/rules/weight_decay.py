@@ -27,7 +27,7 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
     updates = updates.to(params[0].dtype)
     if isinstance(step_size, Tensor):
         # A tensor cannot be an ``alpha``: scale the (temporary) update batch instead.
-        updates = updates * (-step_size).to(updates.dtype)
+        updates = updates * -step_size  # a 0-dim fp32 factor: computed in fp32, kept in the update's dtype
         torch._foreach_add_(params, list(updates.unbind(0)))
     else:
         torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
@@ -36,5 +36,5 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
 def scaled(t: Tensor, alpha: LearningRate) -> tuple[Tensor, float]:
     """(t', a) with t'·a = t·alpha and ``a`` a number, for ops whose ``alpha`` must be one."""
     if isinstance(alpha, Tensor):
-        return t * alpha.to(t.dtype), 1.0
+        return t * alpha, 1.0
     return t, alpha
