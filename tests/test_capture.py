@@ -168,6 +168,7 @@ def test_groups_inheriting_a_tensor_lr_get_their_own_copy():
     params = _model()
     opt = orthoptim.Muon([{"params": params[:2]}, {"params": params[2:3]}], lr=torch.tensor(0.02), capturable=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, [lambda t: 1.0, lambda t: 0.1])
+    opt.step()  # no gradients: nothing moves, but the scheduler sees the usual order
     schedule.step()
     assert math.isclose(float(opt.param_groups[0]["lr"]), 0.02, rel_tol=1e-6)
     assert math.isclose(float(opt.param_groups[1]["lr"]), 0.002, rel_tol=1e-6)
