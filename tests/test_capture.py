@@ -192,3 +192,10 @@ def test_nonfinite_flags_are_the_same_buffers_every_step():
     assert bool(found)
     with pytest.raises(orthoptim.NonFiniteGradientError):
         opt.check_nonfinite()
+
+
+def test_bad_capture_options_are_named():
+    with pytest.raises(ValueError, match="capturable="):
+        orthoptim.Muon(_model()[:1], capturable="yes")
+    with pytest.raises(ValueError, match="warmup_steps="):
+        orthoptim.CapturedStep(orthoptim.Muon(_model()[:1], capturable=True), warmup_steps=0)
