@@ -7,7 +7,7 @@ Newton-Schulz's products, so this module maps ``gram``, ``symmetric_polynomial``
 ``symmetric_product`` onto it.
 
 Never required, never trusted blindly: the package is imported on the first CUDA call that could
-use it, the first use per (device, dtype) is checked against the torch backend on a small problem,
+use it, the first use of each product per (device, dtype) is checked against the torch backend,
 and any import error, exception or mismatch turns this backend off for the process with one
 warning, after which the caller's torch/Triton path runs. The package's interface has changed
 between releases, which is why the adapter checks rather than assumes.
@@ -29,7 +29,7 @@ from orthoptim.kernels import torch_backend
 DTYPES = (torch.float16, torch.bfloat16)
 MIN_CAPABILITY = (9, 0)  # Hopper and later
 _disabled: str | None = None  # why the backend was turned off, once it was
-_verified: set[tuple[str, torch.dtype]] = set()
+_verified: set[tuple[str, str, torch.dtype]] = set()  # (product, device, dtype) checked against torch
 
 
 @cache

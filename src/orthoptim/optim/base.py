@@ -183,6 +183,10 @@ class OrthonormalOptimizer(Optimizer):
         validate_group(full, "the optimizer's defaults")
         self._names: dict[Tensor, str] = {}
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
+        # Read once per parameter (placements never change): Dion's split of a sharded matrix, and
+        # whether a parameter is sharded over a mesh dimension none of the optimizer's meshes covers.
+        self._factor_specs: dict[Tensor, FactorSharding] = {}
+        self._beyond_meshes: dict[Tensor, bool] = {}
         super().__init__(params, full)
 
     # ----------------------------------------------------------------------------- groups and state
@@ -259,7 +263,7 @@ class OrthonormalOptimizer(Optimizer):
             if self._process_group is None and self._inner_group is None:
                 raise ValueError(f"{where}: pass outer_shard_mesh=<its FSDP mesh> and/or "
                                  "inner_shard_mesh=<its tensor-parallel mesh> to Dion")
-            factor_sharding(p, label, self._dion_meshes())
+            self._factor_spec(p, label)
             return
         if self._process_group is None and (self._inner_group is None or group["algorithm"] in MATRIX_ALGORITHMS):
             raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
@@ -275,6 +279,11 @@ class OrthonormalOptimizer(Optimizer):
 
     def _dion_meshes(self) -> dict[str, dist.ProcessGroup | None]:
         return {"outer_shard_mesh": self._process_group, "inner_shard_mesh": self._inner_group}
+
+    def _factor_spec(self, p: Tensor, label: str | None = None) -> FactorSharding:
+        if p not in self._factor_specs:
+            self._factor_specs[p] = factor_sharding(p, label or self.param_name(p), self._dion_meshes())
+        return self._factor_specs[p]
 
     def param_name(self, p: Tensor) -> str:
         """The parameter's name (from ``param_names``) or its position in the optimizer."""
@@ -493,16 +502,17 @@ class OrthonormalOptimizer(Optimizer):
         (e.g. tensor parallelism next to FSDP's distributed_mesh). One world-wide reduction rather than
         one per such dimension keeps the sequence of collectives the same on every rank."""
         groups = [g for g in (self._process_group, self._replicate_group, self._inner_group) if g is not None]
-        covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
-        for p in params:
-            if not isinstance(p, DTensor):
-                continue
-            for dim, placement in enumerate(p.placements):
-                if isinstance(placement, Replicate):
-                    continue
-                if tuple(dist.get_process_group_ranks(p.device_mesh.get_group(dim))) not in covered:
-                    return [*groups, dist.group.WORLD]
+        if any(self._sharded_beyond_meshes(p, groups) for p in params if isinstance(p, DTensor)):
+            return [*groups, dist.group.WORLD]
         return groups
+
+    def _sharded_beyond_meshes(self, p: Tensor, groups: list[dist.ProcessGroup]) -> bool:
+        if p not in self._beyond_meshes:
+            covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
+            self._beyond_meshes[p] = any(
+                tuple(dist.get_process_group_ranks(p.device_mesh.get_group(dim))) not in covered
+                for dim, placement in enumerate(p.placements) if not isinstance(placement, Replicate))
+        return self._beyond_meshes[p]
 
     @staticmethod
     def _orthogonalizer(group: dict[str, Any]) -> Orthogonalizer:
@@ -545,12 +555,12 @@ class OrthonormalOptimizer(Optimizer):
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         algorithm = group["algorithm"]
         matrices: list[_Matrix] = []
-        to_gather = [p for p in params if self._layout(p, group) == "gathered"]
+        layouts = [self._layout(p, group) for p in params]
+        to_gather = [p for p, layout in zip(params, layouts) if layout == "gathered"]
         gathered = _Gathered.gather_all(to_gather, [self.state[p] for p in to_gather], self.comm_stats)
         whole_of = dict(zip(to_gather, gathered))
-        for p in params:
+        for p, layout in zip(params, layouts):
             state = self.state[p]
-            layout = self._layout(p, group)
             if layout == "gathered":
                 whole = whole_of[p]
                 x, m, grad = whole.delta, whole.momentum, whole.grad
@@ -559,7 +569,7 @@ class OrthonormalOptimizer(Optimizer):
                 grad = _local(p.grad)
                 grad = grad if grad.is_contiguous() else grad.contiguous()
             if layout == "factor_sharded":
-                spec = factor_sharding(p, self.param_name(p), self._dion_meshes())
+                spec = self._factor_spec(p)
                 rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
                 shape = (spec.local_rows, spec.local_cols)
                 matrices.append(_Matrix(x.view(shape), grad.view(shape), m.view(shape), state["Q"][0, :, :rank], rank,

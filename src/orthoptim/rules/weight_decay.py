@@ -15,10 +15,8 @@ LearningRate = float | Tensor
 
 def decay_(params: list[Tensor], lr: LearningRate, weight_decay: float) -> None:
     """X ← X · (1 − lr·wd) for every tensor (skipped when it is a no-op)."""
-    if isinstance(lr, Tensor):
-        if weight_decay != 0.0:
-            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    elif lr * weight_decay != 0.0:
+    # A tensor lr is not compared with 0 on the host (that would read it back).
+    if weight_decay != 0.0 and (isinstance(lr, Tensor) or lr != 0.0):
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
 
 
