@@ -153,7 +153,7 @@ def test_help_explains_every_option(capsys):
 def test_torchrun_two_processes_match_one(tmp_path):
     """Under torchrun each rank takes its share of the same global batch: same losses as one process."""
     args = ["train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--quiet", "--no-plot", "--steps", "3",
-            "--batch-size", "4", "--compare", "dion3,adamw"]
+            "--batch-size", "4", "--compare", "dion3,dion,adamw"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     done = torchrun(2, *args, "--out", str(tmp_path / "two"))
     assert done.returncode == 0, done.stderr[-2000:]
@@ -161,7 +161,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["environment"]["processes"] == 2
     assert two["environment"]["parallel"] == "ddp"  # the default under torchrun
-    for name in ("dion3", "adamw"):
+    for name in ("dion3", "dion", "adamw"):  # Dion: each rank computes a share of the factors
         a, b = one[name]["history"], two["runs"][name]["history"]
         assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)

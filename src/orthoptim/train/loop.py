@@ -184,7 +184,8 @@ def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig,
     torch.optim.AdamW over the very same groups (weight decay on the matrices only).
 
     ``distributed_mesh``: under DDP the process group, so each rank orthogonalizes a share of the
-    matrices; under FSDP/HSDP the 1-D mesh the rows are sharded over (Dion: ``outer_shard_mesh``).
+    matrices; under FSDP/HSDP the 1-D mesh the rows are sharded over (for Dion the same argument is
+    its ``outer_shard_mesh``).
     """
     lr = cfg.lr_for(name)
     groups = orthoptim.param_groups(model, scalar_lr=cfg.scalar_lr_value())
@@ -203,13 +204,7 @@ def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig,
     classes = {"dion3": orthoptim.Dion3, "dion2": orthoptim.Dion2, "dion": orthoptim.Dion,
                "muon": orthoptim.Muon, "normuon": orthoptim.NorMuon}
     if distributed_mesh is not None:
-        if name == "dion":
-            # Dion's sharded path needs the FSDP mesh; under DDP (a process group) every rank computes
-            # the whole (identical) low-rank update, as before.
-            if not isinstance(distributed_mesh, dist.ProcessGroup):
-                options["outer_shard_mesh"] = distributed_mesh
-        else:
-            options["distributed_mesh"] = distributed_mesh
+        options["distributed_mesh"] = distributed_mesh  # Dion too: its outer_shard_mesh, or DDP's group
     return classes[name](groups, **options)
 
 
