@@ -26,7 +26,7 @@ from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, shard_rows
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
-from orthoptim.orthogonalize import Orthogonalizer, get_orthogonalizer, normalize_columns
+from orthoptim.orthogonalize import Orthogonalizer, get_factored_orthogonalizer, get_orthogonalizer, normalize_columns
 from orthoptim.rules.normalization import orthogonalize_and_normalize
 from orthoptim.rules.selection import num_selected
 
@@ -618,6 +618,10 @@ class OrthonormalOptimizer(Optimizer):
             orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
             finish = None
             select = None
+            # Nothing communicated: the iteration's last product can write into the parameters.
+            factors = None
+            if layout == "replicated" and self._process_group is None and algorithm == "muon":
+                factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
             if layout == "row_sharded":
                 plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):
@@ -631,7 +635,7 @@ class OrthonormalOptimizer(Optimizer):
                 orthogonalize = self._share(orthogonalize)
             if algorithm == "muon":
                 rules.muon_update(xs, gs, ms, mu=group["mu"], nesterov=group["nesterov"],
-                                  orthogonalize=orthogonalize, **common)
+                                  orthogonalize=orthogonalize, factors=factors, **common)
             elif algorithm == "normuon":
                 rules.normuon_update(xs, gs, ms, es, mu=group["mu"], nesterov=group["nesterov"],
                                      beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,

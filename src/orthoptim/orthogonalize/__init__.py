@@ -7,6 +7,7 @@ from functools import partial
 
 from torch import Tensor
 
+from orthoptim.orthogonalize._common import PolarFactors
 from orthoptim.orthogonalize.coefficients import (
     KELLER_JORDAN,
     POLAR_EXPRESS,
@@ -15,8 +16,12 @@ from orthoptim.orthogonalize.coefficients import (
     as_coefficients,
     scale_coefficients,
 )
-from orthoptim.orthogonalize.gram_newton_schulz import DEFAULT_RESTARTS, gram_newton_schulz
-from orthoptim.orthogonalize.newton_schulz import newton_schulz
+from orthoptim.orthogonalize.gram_newton_schulz import (
+    DEFAULT_RESTARTS,
+    gram_newton_schulz,
+    gram_newton_schulz_factors,
+)
+from orthoptim.orthogonalize.newton_schulz import newton_schulz, newton_schulz_factors
 from orthoptim.orthogonalize.polar import svd_polar
 from orthoptim.orthogonalize.power_iteration import (
     normalize_columns,
@@ -32,6 +37,13 @@ ORTHOGONALIZERS: dict[str, Orthogonalizer] = {
     "newton_schulz": partial(newton_schulz, coefficients=KELLER_JORDAN),
     "svd": svd_polar,
 }
+# The named iterations without their last product (see PolarFactors): a rule that adds the polar
+# factor to the parameters lets that product write into them directly.
+FACTORED_ORTHOGONALIZERS: dict[str, Callable[[Tensor], PolarFactors]] = {
+    "gram": partial(gram_newton_schulz_factors, coefficients=POLAR_EXPRESS),
+    "polar_express": partial(newton_schulz_factors, coefficients=POLAR_EXPRESS),
+    "newton_schulz": partial(newton_schulz_factors, coefficients=KELLER_JORDAN),
+}
 
 
 def get_orthogonalizer(spec: str | Orthogonalizer, name: str = "orthogonalizer") -> Orthogonalizer:
@@ -46,18 +58,28 @@ def get_orthogonalizer(spec: str | Orthogonalizer, name: str = "orthogonalizer")
     )
 
 
+def get_factored_orthogonalizer(spec: str | Orthogonalizer) -> Callable[[Tensor], PolarFactors] | None:
+    """The factored form of a named iteration, or None (a callable or "svd" only gives products)."""
+    return FACTORED_ORTHOGONALIZERS.get(spec) if isinstance(spec, str) else None
+
+
 __all__ = [
     "DEFAULT_RESTARTS",
+    "FACTORED_ORTHOGONALIZERS",
     "KELLER_JORDAN",
     "ORTHOGONALIZERS",
     "POLAR_EXPRESS",
     "POLAR_EXPRESS_SAFETY",
     "Coefficients",
     "Orthogonalizer",
+    "PolarFactors",
     "as_coefficients",
+    "get_factored_orthogonalizer",
     "get_orthogonalizer",
     "gram_newton_schulz",
+    "gram_newton_schulz_factors",
     "newton_schulz",
+    "newton_schulz_factors",
     "normalize_columns",
     "orthonormalize_columns",
     "power_iteration",

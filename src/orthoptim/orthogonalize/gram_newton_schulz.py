@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
-from orthoptim.orthogonalize._common import as_batch, normalize, working_dtype
+from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize, working_dtype
 from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
-from orthoptim.orthogonalize.newton_schulz import newton_schulz
+from orthoptim.orthogonalize.newton_schulz import newton_schulz_factors
 
 # One restart after the second iteration, as published for fp16: the first two Polar Express
 # polynomials are steep, and forming Q from them accumulates round-off that a fresh X Xᵀ removes.
@@ -37,14 +37,26 @@ def gram_newton_schulz(
     recomputed. Square matrices gain nothing from the Gram form and use standard NS.
     Runs in ``dtype`` (default: fp16 on CUDA, fp32 otherwise); returns ``x.dtype``.
     """
+    return gram_newton_schulz_factors(x, coefficients, restarts=restarts, dtype=dtype, eps=eps).finish(x)
+
+
+def gram_newton_schulz_factors(
+    x: Tensor,
+    coefficients: str | Sequence[Sequence[float]] = POLAR_EXPRESS,
+    *,
+    restarts: Sequence[int] = DEFAULT_RESTARTS,
+    dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+) -> PolarFactors:
+    """``gram_newton_schulz`` without its last product X ← Q X: returns Q and X (see ``PolarFactors``)."""
     coeffs = as_coefficients(coefficients)
     restart_at = set(int(i) for i in restarts)
     if any(i < 0 for i in restart_at):
         raise ValueError(f"restarts must be non-negative iteration indices, got {sorted(restart_at)}")
-    batch, lead = as_batch(x)
+    batch, _ = as_batch(x)
     k, n = batch.shape[-2:]
     if k == n:
-        return newton_schulz(x, coeffs, dtype=dtype, eps=eps)
+        return newton_schulz_factors(x, coeffs, dtype=dtype, eps=eps)
     transposed = k > n
     if transposed:
         batch = batch.mT
@@ -65,8 +77,5 @@ def gram_newton_schulz(
         # R ← P R P, skipped where nothing reads it (last iteration, or a restart comes next).
         if i < last and (i + 1) not in restart_at:
             R = kernels.symmetric_product(P, kernels.symmetric_product(R, P))
-    if Q is not None:
-        X = torch.bmm(Q, X)
-    if transposed:
-        X = X.mT
-    return X.to(x.dtype).reshape(*lead, *X.shape[-2:])
+    assert Q is not None  # coefficient sets are never empty, and each iteration sets Q
+    return PolarFactors(Q, X, transposed)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
-from orthoptim.orthogonalize._common import as_batch, normalize, working_dtype
+from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize, working_dtype
 from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
 
 
@@ -28,20 +28,38 @@ def newton_schulz(
     ``orthoptim.kernels`` (lower-triangle Triton kernels on CUDA where they run; the same torch
     products elsewhere), to measure what they buy before the Gram form changes the iteration.
     """
+    factors = newton_schulz_factors(x, coefficients, dtype=dtype, eps=eps, symmetric_kernels=symmetric_kernels)
+    return factors.finish(x)
+
+
+def newton_schulz_factors(
+    x: Tensor,
+    coefficients: str | Sequence[Sequence[float]] = POLAR_EXPRESS,
+    *,
+    dtype: torch.dtype | None = None,
+    eps: float = 1e-7,
+    symmetric_kernels: bool = False,
+) -> PolarFactors:
+    """``newton_schulz`` without its last product: the polar factors are (aI + bA + cA²) X of the
+    last iteration, returned as that k×k left factor and X ([B, k, n] batches, see ``PolarFactors``)."""
     coeffs = as_coefficients(coefficients)
-    batch, lead = as_batch(x)
+    batch, _ = as_batch(x)
     transposed = batch.shape[-2] > batch.shape[-1]
     if transposed:
         batch = batch.mT
     X = normalize(batch, working_dtype(x, dtype, torch.bfloat16), eps)
-    for a, b, c in coeffs:
-        if symmetric_kernels:
-            A = kernels.gram(X)
-            B = kernels.symmetric_polynomial(A, 0.0, b, c)
-        else:
-            A = torch.bmm(X, X.mT)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # bA + cA²
-        X = torch.baddbmm(X, B, X, beta=a)  # aX + BX
-    if transposed:
-        X = X.mT
-    return X.to(x.dtype).reshape(*lead, *X.shape[-2:])
+    for a, b, c in coeffs[:-1]:
+        X = torch.baddbmm(X, _polynomial(X, 0.0, b, c, symmetric_kernels), X, beta=a)  # aX + (bA + cA²)X
+    a, b, c = coeffs[-1]
+    return PolarFactors(_polynomial(X, a, b, c, symmetric_kernels), X, transposed)
+
+
+def _polynomial(X: Tensor, a: float, b: float, c: float, symmetric_kernels: bool) -> Tensor:
+    """aI + bA + cA² with A = X Xᵀ (symmetric)."""
+    if symmetric_kernels:
+        return kernels.symmetric_polynomial(kernels.gram(X), a, b, c)
+    A = torch.bmm(X, X.mT)
+    B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+    if a != 0.0:
+        B.diagonal(dim1=-2, dim2=-1).add_(a)
+    return B

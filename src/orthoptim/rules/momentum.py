@@ -13,11 +13,18 @@ def accumulate_(momenta: list[Tensor], grads: list[Tensor], mu: float) -> None:
     torch._foreach_add_(momenta, grads)
 
 
-def stack_update_input(momenta: list[Tensor], grads: list[Tensor], mu: float, nesterov: bool) -> Tensor:
-    """The matrix to orthogonalize, as one batch: M, or G + μ M with Nesterov."""
-    if not nesterov:
-        return torch.stack(momenta)
-    out = torch.empty((len(momenta), *momenta[0].shape), dtype=momenta[0].dtype, device=momenta[0].device)
+def accumulate_and_stack(momenta: list[Tensor], grads: list[Tensor], mu: float, nesterov: bool) -> Tensor:
+    """M ← μ M + G in place, and the matrix to orthogonalize as one batch: M, or G + μ M with Nesterov.
+
+    Without Nesterov the new M is written once, into the batch, and copied back: 5 passes over
+    momentum-sized memory instead of 7 (scale, add, then stack).
+    """
+    m0 = momenta[0]
+    out = torch.empty((len(momenta), *m0.shape), dtype=m0.dtype, device=m0.device)
+    if nesterov:
+        accumulate_(momenta, grads, mu)
     for i, (m, g) in enumerate(zip(momenta, grads)):
         torch.add(g, m, alpha=mu, out=out[i])
+    if not nesterov:
+        torch._foreach_copy_(momenta, list(out.unbind(0)))
     return out

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from orthoptim.orthogonalize import PolarFactors
 from orthoptim.rules import momentum, weight_decay
 
 
@@ -20,9 +21,17 @@ def muon_update(
     weight_decay_rate: float,
     scale: float,
     orthogonalize: Callable[[Tensor], Tensor],
+    factors: Callable[[Tensor], PolarFactors] | None = None,
 ) -> None:
-    """One Muon step for a megabatch of same-shape matrices (lists of [m, n] views)."""
-    momentum.accumulate_(momenta, grads, mu)
-    update = orthogonalize(momentum.stack_update_input(momenta, grads, mu, nesterov))
+    """One Muon step for a megabatch of same-shape matrices (lists of [m, n] views).
+
+    ``factors``: the same orthogonalizer in factored form (``orthoptim.orthogonalize.PolarFactors``),
+    when the parameters are at hand: its last product then lands in the parameters directly.
+    """
+    update_input = momentum.accumulate_and_stack(momenta, grads, mu, nesterov)
+    if factors is not None:
+        weight_decay.apply_polar_factors_(params, factors(update_input), lr, weight_decay_rate, scale)
+        return
+    update = orthogonalize(update_input)
     weight_decay.decay_(params, lr, weight_decay_rate)
     weight_decay.apply_(params, update, lr * scale)

@@ -31,10 +31,10 @@ def normuon_update(
 
     ``finish(B, V) → (Ô, V_new)``: see ``dion3_update``.
     """
-    momentum.accumulate_(momenta, grads, mu)
+    update_input = momentum.accumulate_and_stack(momenta, grads, mu, nesterov)
     if finish is None:
         finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
-    o_hat, v_new = finish(momentum.stack_update_input(momenta, grads, mu, nesterov), torch.stack(variances))
+    o_hat, v_new = finish(update_input, torch.stack(variances))
     torch._foreach_copy_(variances, list(v_new.unbind(0)))
     weight_decay.decay_(params, lr, weight_decay_rate)
     weight_decay.apply_(params, o_hat, lr * scale)

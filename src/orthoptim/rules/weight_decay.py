@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from orthoptim.orthogonalize import PolarFactors
+
 LearningRate = float | Tensor
 
 
@@ -29,6 +31,29 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
         torch._foreach_add_(params, list(updates.unbind(0)))
     else:
         torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
+
+
+def apply_polar_factors_(params: list[Tensor], factors: PolarFactors, lr: LearningRate, weight_decay: float,
+                         scale: float) -> None:
+    """X ← X·(1 − lr·wd) − lr·scale·(left @ right) for each matrix, the product written by the GEMM that
+    reads and writes X: decay, update and the polar iteration's last product in one pass over X.
+
+    Falls back to ``decay_`` + ``apply_`` when the iteration ran in another dtype than the parameters
+    (one rounding of the update to the parameter dtype, as there).
+    """
+    left, right = factors.left, factors.right
+    if left.dtype != params[0].dtype:
+        decay_(params, lr, weight_decay)
+        apply_(params, factors.product(), lr * scale)
+        return
+    if isinstance(lr, Tensor):  # addmm's beta and alpha must be numbers: scale the k×k factor instead
+        decay_(params, lr, weight_decay)
+        left, beta, alpha = left * (-lr * scale), 1.0, 1.0
+    else:
+        beta, alpha = 1.0 - lr * weight_decay, -lr * scale
+    for x, a, b in zip(params, left, right):
+        # Tall matrices were orthogonalized transposed: Xᵀ ← β Xᵀ + α a b.
+        (x.mT if factors.transposed else x).addmm_(a, b, beta=beta, alpha=alpha)
 
 
 def scaled(t: Tensor, alpha: LearningRate) -> tuple[Tensor, float]:
