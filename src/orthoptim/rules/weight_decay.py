@@ -13,6 +13,9 @@ from torch import Tensor
 from orthoptim.orthogonalize import PolarFactors
 
 LearningRate = float | Tensor
+# On GPUs, fuse the last product into the update only from this many multiply-adds per matrix
+# (512³): below it, launch overhead outweighs the saved passes. A first guess, not yet measured.
+FUSED_MIN_MACS_ON_ACCELERATORS = 1 << 27
 
 
 def decay_(params: list[Tensor], lr: LearningRate, weight_decay: float) -> None:
@@ -39,10 +42,12 @@ def apply_polar_factors_(params: list[Tensor], factors: PolarFactors, lr: Learni
     reads and writes X: decay, update and the polar iteration's last product in one pass over X.
 
     Falls back to ``decay_`` + ``apply_`` when the iteration ran in another dtype than the parameters
-    (one rounding of the update to the parameter dtype, as there).
+    (one rounding of the update to the parameter dtype, as there), and on accelerators for small
+    matrices, where one kernel launch per matrix costs more than the passes it saves.
     """
     left, right = factors.left, factors.right
-    if left.dtype != params[0].dtype:
+    k, n = right.shape[-2:]
+    if left.dtype != params[0].dtype or (left.device.type != "cpu" and k * k * n < FUSED_MIN_MACS_ON_ACCELERATORS):
         decay_(params, lr, weight_decay)
         apply_(params, factors.product(), lr * scale)
         return
