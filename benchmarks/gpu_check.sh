@@ -2,7 +2,7 @@
 # GPU check: the kernel correctness tests (compiled, not interpreted), the kernel micro-benchmark and
 # the optimizer benchmark ladder.
 #
-#   benchmarks/gpu_check.sh OUTDIR
+#   benchmarks/gpu_check.sh OUTDIR          (PYTHON=... picks the interpreter; default python, else python3)
 #
 # Writes into OUTDIR: env.json (device, versions, commit), kernel_tests.txt + kernel_tests.xml
 # (pytest on tests/test_kernels*.py), kernels_bench.json + kernels_bench.txt (torch vs Triton per
@@ -24,7 +24,9 @@ fi
 mkdir -p "$1" || exit 2
 OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-$(command -v python || command -v python3)}
+# The checkout's own package, installed or not (a GPU image may hold torch and triton but no orthoptim).
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_check: no CUDA device here; nothing to check (exit 0)"
