@@ -25,7 +25,9 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from functools import partial
@@ -284,16 +286,32 @@ def main() -> None:
         report["min_triton_size_in_use"] = kernels.MIN_TRITON_SIZE
         budget = Budget(args.budget_s)
         start = time.monotonic()
-        results = bench_products(triton_symmetric, budget, args.warmup, args.reps)
-        results += bench_orthogonalize(budget, args.warmup, args.reps)
-        results += bench_dion3(triton_dion3, budget, args.warmup, args.reps)
+        results: list[dict] = []
         report["results"] = results
-        report["suggested_min_triton_size"] = suggest_min_size(results)
-        report["seconds"] = time.monotonic() - start
+        # Cheapest first; the JSON is rewritten after each section, and a section that breaks is
+        # recorded and skipped, so a kill or an error keeps what was measured.
+        sections = [("dion3", lambda: bench_dion3(triton_dion3, budget, args.warmup, args.reps)),
+                    ("products", lambda: bench_products(triton_symmetric, budget, args.warmup, args.reps)),
+                    ("orthogonalize", lambda: bench_orthogonalize(budget, args.warmup, args.reps))]
+        for name, run in sections:
+            try:
+                results += run()
+            except Exception as e:
+                traceback.print_exc()
+                report.setdefault("failed", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            report["suggested_min_triton_size"] = suggest_min_size(results)
+            report["seconds"] = time.monotonic() - start
+            write_report(report, args.out)
         print(f"suggested MIN_TRITON_SIZE: {report['suggested_min_triton_size']} "
               f"(in use: {kernels.MIN_TRITON_SIZE}); {report['seconds']:.0f} s")  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    write_report(report, args.out)
+    if "failed" in report:
+        sys.exit(1)
+
+
+def write_report(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(report, f, indent=1)
 
 

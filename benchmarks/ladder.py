@@ -35,6 +35,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -426,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     no_fused = _fused_adamw_works(device)
     bf16_slowdown = _slow_bf16_matmul(device)
     started = time.time()
+    failures = 0
     results: dict[str, Any] = {"environment": env, "device_limits": limits, "dtype": args.dtype,
                                "warmup": args.warmup, "repeats": args.repeats, "columns": COLUMNS,
                                "sets": {}, "rows": []}
@@ -473,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
                     row.update(run_rung(rung, shapes, device, dtype, args))
                 except torch.cuda.OutOfMemoryError:
                     row = skipped(label, rung, "out of GPU memory")
+                except Exception as e:  # one broken rung must not cost the rungs and sets after it
+                    traceback.print_exc()
+                    row = skipped(label, rung, f"failed: {type(e).__name__}: {str(e)[:200]}")
+                    failures += 1
                 if cuda:
                     torch.cuda.empty_cache()
                 if row["median_ms"] is not None:
@@ -490,7 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     save()
     if args.json:
         print(f"wrote {args.json}")
-    return 0
+    if failures:
+        print(f"ladder: {failures} rung(s) failed (tracebacks above; their rows say why)", file=sys.stderr)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -130,6 +130,22 @@ def test_symmetric_product_of_commuting_matrices(tk, size, dtype):
     _check_product(tk.sym.symmetric_product(r.to(DEVICE), p.to(DEVICE), block=16, block_k=16), exact, dtype)
 
 
+def test_autotune_tries_only_configs_that_fit_in_shared_memory(tk):
+    """Hopper has 227 KiB of shared memory per block: every config fits 16-bit inputs; for fp32 the
+    ones whose double-size buffers cannot fit are dropped before compiling (seconds each, then fail)."""
+    configs = tk.sym._autotune_configs()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        kept = tk.sym._fits_in_shared_memory(configs, {"a_ptr": torch.empty(1, dtype=dtype)})
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        for c in configs:
+            need = c.num_stages * 2 * c.kwargs["BLOCK"] * c.kwargs["BLOCK_K"] * itemsize
+            assert (c in kept) == (need <= 227 * 1024), (dtype, c)
+        if dtype != torch.float32:
+            assert len(kept) == len(configs)
+        else:
+            assert 0 < len(kept) < len(configs)
+
+
 @pytest.mark.skipif(INTERPRET, reason="autotuned tile shapes are for the GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autotuned_shapes_on_gpu(tk, dtype):

@@ -134,3 +134,24 @@ def test_bf16_parameters_round_once_like_the_unfused_step():
     _run(a, b, "polar_express")
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused update on a GPU needs CUDA")
+def test_fused_muon_step_on_cuda_bf16():
+    """On CUDA, Newton-Schulz runs in bf16: bf16 parameters big enough for the fused path take it, and
+    the update matches the unfused one up to bf16 rounding (one rounding instead of three)."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    shape = (1024, 4096)
+    a = [torch.randn(shape, generator=gen, device="cuda").bfloat16().requires_grad_() for _ in range(2)]
+    b = [p.detach().clone().requires_grad_() for p in a]
+    fused, plain = _run(a, b, "polar_express", steps=1, lr=0.02, weight_decay=0.1)  # equal momenta after it
+    x_a = [p.detach().float().clone() for p in a]
+    x_b = [q.detach().float().clone() for q in b]
+    for p, q in zip(a, b):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    assert count_step(fused.step, a).ops["addmm_"]["calls"] == len(a)
+    plain.step()
+    for p, q, xa, xb in zip(a, b, x_a, x_b):
+        d_fused, d_plain = p.detach().float() - xa, q.detach().float() - xb
+        assert (d_fused - d_plain).norm() <= 2e-2 * d_plain.norm()

@@ -30,13 +30,18 @@ INTERPRETER_BLOCK = 16
 INTERPRETER_BLOCK_K = 16
 
 
+# Shared memory per block on Hopper (H100/H200): 227 KiB.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+
 def _autotune_configs() -> list[triton.Config]:
     """Square output tiles for Hopper (H100/H200): 64 or 128 rows, 32–128 deep, 3–5 stages.
 
     128×128 fp32 accumulators need 8 warps (with 4, ptxas spills: 255 registers, 360 bytes in
     benchmarks/kernels_sm90_compile.py); 64×64 tiles keep enough programs in flight when k is small
-    (one matrix of k = 512 has only 10 lower tiles of 128). All of these fit in shared memory for
-    16-bit inputs (at most 192 KiB); configs that do not fit for fp32 fail and the autotuner skips them.
+    (one matrix of k = 512 has only 10 lower tiles of 128). With 16-bit inputs all fit in shared
+    memory (at most 192 KiB); ``_fits_in_shared_memory`` drops, per input dtype, those that cannot
+    (fp32 inputs take twice the buffers: 128×128×3 needs 256 KiB).
     """
     shapes = [
         (128, 64, 3, 8),
@@ -51,6 +56,20 @@ def _autotune_configs() -> list[triton.Config]:
         triton.Config({"BLOCK": block, "BLOCK_K": block_k}, num_stages=stages, num_warps=warps)
         for block, block_k, stages, warps in shapes
     ]
+
+
+def shared_memory_bytes(block: int, block_k: int, stages: int, itemsize: int) -> int:
+    """Both operands' pipeline buffers: an upper bound of what Triton 3.9 allocates for sm_90a (equal for
+    16-bit inputs, one buffer more than it uses for fp32; benchmarks/kernels_sm90_compile.py reports it)."""
+    return stages * 2 * block * block_k * itemsize
+
+
+def _fits_in_shared_memory(configs: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
+    """Autotuner pre-filter: compiling a config that cannot fit only costs time (seconds each)."""
+    itemsize = named_args["a_ptr"].element_size()
+    fitting = [c for c in configs if shared_memory_bytes(c.kwargs["BLOCK"], c.kwargs["BLOCK_K"], c.num_stages,
+                                                         itemsize) <= SHARED_MEMORY_BYTES]
+    return fitting or configs[-1:]
 
 
 @triton.jit
@@ -118,7 +137,8 @@ def _syrk_kernel(
         tl.store(o_base + cols[:, None] * stride_om + rows[None, :] * stride_on, tl.trans(out), mask=tl.trans(mask))
 
 
-_syrk_tuned = triton.autotune(configs=_autotune_configs(), key=["M", "K"])(_syrk_kernel)
+_syrk_tuned = triton.autotune(configs=_autotune_configs(), key=["M", "K"],
+                              prune_configs_by={"early_config_prune": _fits_in_shared_memory})(_syrk_kernel)
 
 
 def _num_lower_tiles(m: int, block: int) -> int:
