@@ -199,3 +199,23 @@ def test_ladder_smoke(tmp_path, capsys):
     assert ladder.main(["--from-json", str(out), "--png", str(png)]) == 0
     assert "| d32x1 | muon |" in capsys.readouterr().out
     assert png.stat().st_size > 5_000
+
+
+def test_ladder_records_a_failing_rung_and_runs_the_rest(tmp_path, capsys, monkeypatch):
+    """One rung that raises (a kernel error on a GPU, say) must not cost the rungs after it."""
+    ladder = _ladder()
+    real = ladder.run_rung
+
+    def run_rung(rung, *args, **kwargs):
+        if rung.name == "muon":
+            raise RuntimeError("broken kernel")
+        return real(rung, *args, **kwargs)
+
+    monkeypatch.setattr(ladder, "run_rung", run_rung)
+    out = tmp_path / "ladder.json"
+    assert ladder.main(["--sets", "d32x1", "--device", "cpu", "--warmup", "0", "--repeats", "1",
+                        "--optimizers", "adamw,muon,dion3_f1/4", "--json", str(out)]) == 1
+    rows = {r["optimizer"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["muon"]["median_ms"] is None and "RuntimeError: broken kernel" in rows["muon"]["note"]
+    assert rows["adamw"]["median_ms"] > 0 and rows["dion3_f1/4"]["median_ms"] > 0
+    assert "broken kernel" in capsys.readouterr().err
