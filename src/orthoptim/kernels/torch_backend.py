@@ -25,6 +25,21 @@ def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
     return torch.bmm(p, q)
 
 
+def normalized_row_scale(sumsq: Tensor, v: Tensor, n: int, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """NorMuon's per-row normalization as one factor per row, from the rows' sums of squares.
+
+    For O [B, k, n] with ``sumsq`` = Σ_j O² [B, k] and variance V [B, k] (same dtype, fp32 or finer):
+    V' = β₂V + (1−β₂)·mean_j(O²) and Ô = O/(√V' + ε) rescaled per matrix to ‖Ô‖_F = ‖O‖_F, i.e.
+    Ô = c · O row by row. Returns (c [B, k], V').
+    """
+    v_new = torch.lerp(sumsq / max(n, 1), v, beta2)  # β₂V + (1−β₂)·mean(O²)
+    d = v_new.sqrt() + eps
+    norm_o = sumsq.sum(-1, keepdim=True).sqrt()
+    norm_hat = (sumsq / d.square()).sum(-1, keepdim=True).sqrt()
+    # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
+    return norm_o / norm_hat.clamp_min(torch.finfo(sumsq.dtype).tiny) / d, v_new
+
+
 def dion3_post_update(
     params: Tensor | Sequence[Tensor],
     index: Tensor | Sequence[Tensor],
@@ -65,13 +80,8 @@ def dion3_post_update(
     else:
         step = torch.full((len(xs), o.shape[1]), -lr * scale, dtype=work, device=o.device)
     if normalize:
-        v_new = torch.lerp(sumsq / max(o.shape[-1], 1), v.to(work), beta2)  # β₂V + (1−β₂)·mean(O²)
-        d = v_new.sqrt() + eps
-        norm_o = sumsq.sum(-1).sqrt()
-        norm_hat = (sumsq / d.square()).sum(-1).sqrt()
-        # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
-        ratio = norm_o / norm_hat.clamp_min(torch.finfo(work).tiny)
-        step = step * ratio.unsqueeze(-1) / d
+        row_scale, v_new = normalized_row_scale(sumsq, v.to(work), o.shape[-1], beta2, eps)
+        step = step * row_scale
     decay = 1.0 - lr * weight_decay
     for x, i, o_b, c_b in zip(xs, index, o_w, step):
         rows = x.index_select(0, i).to(work) * decay

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
+from orthoptim.kernels import torch_backend
 from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize, working_dtype
 from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
 
@@ -56,10 +57,5 @@ def newton_schulz_factors(
 
 def _polynomial(X: Tensor, a: float, b: float, c: float, symmetric_kernels: bool) -> Tensor:
     """aI + bA + cA² with A = X Xᵀ (symmetric)."""
-    if symmetric_kernels:
-        return kernels.symmetric_polynomial(kernels.gram(X), a, b, c)
-    A = torch.bmm(X, X.mT)
-    B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-    if a != 0.0:
-        B.diagonal(dim1=-2, dim2=-1).add_(a)
-    return B
+    backend = kernels if symmetric_kernels else torch_backend
+    return backend.symmetric_polynomial(backend.gram(X), a, b, c)

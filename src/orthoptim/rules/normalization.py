@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from orthoptim.kernels import torch_backend
+
 
 def normalize_rows(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
     """Per-row second-moment normalization of a batch O [B, k, n], computed in fp32 (fp64 for fp64).
@@ -17,13 +19,8 @@ def normalize_rows(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tens
     """
     work = torch.promote_types(torch.promote_types(o.dtype, v.dtype), torch.float32)
     o_w = o.to(work)
-    v_new = torch.lerp(o_w.square().mean(-1), v.to(work), beta2)  # β₂V + (1−β₂)·mean(O²)
-    o_hat = o_w / (v_new.sqrt() + eps).unsqueeze(-1)
-    norm_o = torch.linalg.vector_norm(o_w, dim=(-2, -1), keepdim=True)
-    norm_hat = torch.linalg.vector_norm(o_hat, dim=(-2, -1), keepdim=True)
-    # Exactly ‖O‖_F; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
-    o_hat = o_hat * (norm_o / norm_hat.clamp_min(torch.finfo(work).tiny))
-    return o_hat, v_new.to(v.dtype)
+    row_scale, v_new = torch_backend.normalized_row_scale(o_w.square().sum(-1), v.to(work), o.shape[-1], beta2, eps)
+    return o_w * row_scale.unsqueeze(-1), v_new.to(v.dtype)
 
 
 def orthogonalize_and_normalize(
