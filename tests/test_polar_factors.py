@@ -55,6 +55,19 @@ def test_only_named_iterations_have_a_factored_form():
     assert get_factored_orthogonalizer("gram") is not None
     assert get_factored_orthogonalizer("svd") is None
     assert get_factored_orthogonalizer(orthoptim.newton_schulz) is None
+    custom = partial(orthoptim.newton_schulz, coefficients="polar_express")
+    custom.factored = partial(newton_schulz_factors, coefficients="polar_express")
+    assert get_factored_orthogonalizer(custom) is custom.factored  # a callable may bring its own
+
+
+def test_ladder_symmetric_rung_fuses_like_muon():
+    from orthoptim.benchmark import symmetric_newton_schulz
+
+    params = [torch.randn(12, 20, requires_grad=True) for _ in range(2)]
+    opt = orthoptim.Muon(params, orthogonalizer=symmetric_newton_schulz)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    assert count_step(opt.step, params).ops["addmm_"]["calls"] == len(params)
 
 
 def _pair(shape, dtype, seed, n=3):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 import orthoptim
-from orthoptim.orthogonalize import POLAR_EXPRESS, newton_schulz, svd_polar
+from orthoptim.orthogonalize import POLAR_EXPRESS, newton_schulz, newton_schulz_factors, svd_polar
 
 # d_model, layers: shapes of the matrices of GPT-style models of roughly these sizes (embeddings,
 # norms and the head are not matrices an orthonormal rule sees, so they are left out). MLP 4·d_model:
@@ -143,8 +143,11 @@ def orthogonalization_error(orthogonalize: Callable[[Tensor], Tensor], shape: tu
     return float(torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact))
 
 
-# The ladder's "muon+sym" rung: standard Newton-Schulz with its symmetric products on the kernels.
+# The ladder's "muon+sym" rung: standard Newton-Schulz with its symmetric products on the kernels
+# (with its factored form, so that Muon fuses the last product into the update as for "muon").
 symmetric_newton_schulz = partial(newton_schulz, coefficients=POLAR_EXPRESS, symmetric_kernels=True)
+symmetric_newton_schulz.factored = partial(newton_schulz_factors, coefficients=POLAR_EXPRESS,  # type: ignore[attr-defined]
+                                           symmetric_kernels=True)
 
 
 def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:

@@ -59,8 +59,12 @@ def get_orthogonalizer(spec: str | Orthogonalizer, name: str = "orthogonalizer")
 
 
 def get_factored_orthogonalizer(spec: str | Orthogonalizer) -> Callable[[Tensor], PolarFactors] | None:
-    """The factored form of a named iteration, or None (a callable or "svd" only gives products)."""
-    return FACTORED_ORTHOGONALIZERS.get(spec) if isinstance(spec, str) else None
+    """The factored form of an orthogonalizer, or None: a named iteration's, or a callable's
+    ``factored`` attribute (a function [B, k, n] → PolarFactors computing the same thing); "svd" and
+    other callables only give products."""
+    if isinstance(spec, str):
+        return FACTORED_ORTHOGONALIZERS.get(spec)
+    return getattr(spec, "factored", None)
 
 
 __all__ = [
