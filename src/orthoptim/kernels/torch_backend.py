@@ -16,7 +16,8 @@ def gram(x: Tensor) -> Tensor:
 def symmetric_polynomial(r: Tensor, a: float, b: float, c: float) -> Tensor:
     """a I + b R + c R² for a batch of symmetric R [B, k, k]."""
     p = torch.baddbmm(r, r, r, beta=b, alpha=c)
-    p.diagonal(dim1=-2, dim2=-1).add_(a)
+    if a != 0.0:
+        p.diagonal(dim1=-2, dim2=-1).add_(a)
     return p
 
 

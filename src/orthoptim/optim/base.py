@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
+from orthoptim.distributed.column_exchange import ColumnShardedPlan
 from orthoptim.distributed.factor_sharding import FactorSharding, factor_sharding
 from orthoptim.distributed.gather import full_tensors
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
@@ -187,6 +188,7 @@ class OrthonormalOptimizer(Optimizer):
         # whether a parameter is sharded over a mesh dimension none of the optimizer's meshes covers.
         self._factor_specs: dict[Tensor, FactorSharding] = {}
         self._beyond_meshes: dict[Tensor, bool] = {}
+        self._over_distributed_mesh: dict[Tensor, bool] = {}  # its one sharded mesh dim is distributed_mesh
         super().__init__(params, full)
 
     # ----------------------------------------------------------------------------- groups and state
@@ -533,6 +535,10 @@ class OrthonormalOptimizer(Optimizer):
         - "local": ``Shard(0)`` of a batch of matrices: each rank owns whole matrices, no communication;
         - "factor_sharded": Dion's matrices sharded along rows and/or columns (FSDP, TP, both):
           the blocks stay where they are and only low-rank factors are all-reduced;
+        - "column_sharded": Dion3 matrices (and Dion2 ones that select rows) with ``Shard(1)`` over
+          ``distributed_mesh`` (tensor parallelism): rows are selected from all-reduced norms and only
+          the selected rows' column blocks travel, to an owner rank per matrix and back
+          (distributed/column_exchange.py);
         - "gathered": any other sharding (``Shard(1)``, FSDP x TP, heads/splits on row shards): the
           momentum and gradient are all-gathered, the rule runs on whole matrices with the work
           shared over ``distributed_mesh``, and each rank keeps its block of the result.
@@ -545,12 +551,26 @@ class OrthonormalOptimizer(Optimizer):
         if group["algorithm"] == "dion" and (p.ndim == 2 or group["flatten"]) and \
                 group["num_heads"] is None and group["split_sizes"] is None:
             return "factor_sharded"
+        plain = group["num_heads"] is None and group["split_sizes"] is None
         if len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 0:
             if p.ndim == 3 and not group["flatten"]:
                 return "local"
-            if group["num_heads"] is None and group["split_sizes"] is None:
+            if plain:
                 return "row_sharded"
+        # Dion3 selects rows; Dion2 too where rows are the shorter side (a tall one picks columns).
+        selects_rows = group["algorithm"] == "dion3" or (group["algorithm"] == "dion2" and p.shape[0] <= p.shape[1])
+        if len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 1 and p.ndim == 2 and plain \
+                and selects_rows and self._sharded_over_distributed_mesh(p):
+            return "column_sharded"
         return "gathered"
+
+    def _sharded_over_distributed_mesh(self, p: Tensor) -> bool:
+        if p not in self._over_distributed_mesh:
+            dim = next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
+            self._over_distributed_mesh[p] = self._process_group is not None and \
+                dist.get_process_group_ranks(p.device_mesh.get_group(dim)) == \
+                dist.get_process_group_ranks(self._process_group)
+        return self._over_distributed_mesh[p]
 
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
         algorithm = group["algorithm"]
@@ -589,6 +609,10 @@ class OrthonormalOptimizer(Optimizer):
                     extra = _local(state["variance"]).view(-1)
                 matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
                                         layout, (full_rows, cols)))
+                continue
+            if layout == "column_sharded":  # one 2-D block of columns (a rank may hold none)
+                extra = _local(state["variance"]).view(-1) if algorithm == "dion3" else None
+                matrices.append(_Matrix(x, grad, m, extra, 0, layout, (p.shape[0], p.shape[1])))
                 continue
             # "local" shards hold whole matrices of a 3-D batch: the layout of their local shape.
             view = self._view(p, group, shape=tuple(x.shape) if layout == "local" else None)
@@ -631,6 +655,13 @@ class OrthonormalOptimizer(Optimizer):
                                                  beta2=group["muon_beta2"], eps=group["epsilon"]))
                 else:
                     orthogonalize = _first(plan.around(orthogonalize))
+            elif layout == "column_sharded":
+                columns = ColumnShardedPlan(self._process_group, rows, cols, len(batch), self.comm_stats)
+                select = columns.select_rows(num_selected(rows, group["fraction"]))
+                if algorithm == "dion3":
+                    finish = columns.finish(orthogonalize, group["muon_beta2"], group["epsilon"])
+                else:
+                    orthogonalize = columns.orthogonalize(orthogonalize)
             elif layout in ("replicated", "gathered"):
                 orthogonalize = self._share(orthogonalize)
             if algorithm == "muon":
@@ -642,7 +673,8 @@ class OrthonormalOptimizer(Optimizer):
                                      finish=finish, **common)
             elif algorithm == "dion2":
                 rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
-                                   dim=0 if layout == "row_sharded" else None, select=select, **common)
+                                   dim=0 if layout in ("row_sharded", "column_sharded") else None, select=select,
+                                   **common)
             elif algorithm == "dion3":
                 rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
                                    beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
