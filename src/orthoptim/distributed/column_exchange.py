@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from orthoptim.distributed.comm import CommStats
+from orthoptim.distributed.comm import CommStats, all_reduce
 from orthoptim.distributed.row_exchange import RowExchange, shard_rows
 from orthoptim.kernels.torch_backend import normalized_row_scale
 
@@ -28,18 +28,12 @@ class ColumnShardedPlan:
     def __init__(self, group: dist.ProcessGroup, rows: int, cols: int, batch: int, stats: CommStats | None):
         self.group, self.rows, self.cols, self.batch, self.stats = group, rows, cols, batch, stats
 
-    def _all_reduce(self, t: Tensor) -> Tensor:
-        dist.all_reduce(t, group=self.group)
-        if self.stats is not None:
-            self.stats.record("all_reduce", t.numel() * t.element_size())
-        return t
-
     def select_rows(self, k: int) -> Callable[[list[Tensor]], Tensor]:
         """``select(momenta) → [B, k]`` row indices by L1 norm over all columns, the same on every rank."""
 
         def select(momenta: list[Tensor]) -> Tensor:
             local = torch.stack([m.abs().sum(dim=1, dtype=torch.float32) for m in momenta])  # [B, rows]
-            return torch.topk(self._all_reduce(local), k, dim=-1, sorted=False).indices
+            return torch.topk(all_reduce(local, self.group, self.stats), k, dim=-1, sorted=False).indices
 
         return select
 
@@ -62,7 +56,7 @@ class ColumnShardedPlan:
         def finish(u_local: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
             work = torch.promote_types(torch.promote_types(u_local.dtype, v.dtype), torch.float32)
             o = on_blocks(u_local).to(work)
-            sumsq = self._all_reduce(o.square().sum(-1))  # Σ_j O² over every column block
+            sumsq = all_reduce(o.square().sum(-1), self.group, self.stats)  # Σ_j O² over every column block
             row_scale, v_new = normalized_row_scale(sumsq, v.to(work), self.cols, beta2, eps)
             return (o * row_scale.unsqueeze(-1)).to(u_local.dtype), v_new.to(v.dtype)
 

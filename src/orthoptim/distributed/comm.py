@@ -45,3 +45,15 @@ def all_gather_batch(local: Tensor, group: dist.ProcessGroup, stats: CommStats |
     if stats is not None:
         stats.record("all_gather", local.numel() * local.element_size())
     return out
+
+
+def all_reduce(t: Tensor, group: dist.ProcessGroup | None, stats: CommStats | None, op: str = "sum") -> Tensor:
+    """Sum (or, ``op="mean"``, average) ``t`` in place over ``group``; no group: ``t`` unchanged."""
+    if group is None:
+        return t
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    if op == "mean":
+        t /= dist.get_world_size(group)
+    if stats is not None:
+        stats.record("all_reduce", t.numel() * t.element_size())
+    return t

@@ -20,19 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from orthoptim.distributed.comm import CommStats
+from orthoptim.distributed.comm import CommStats, all_reduce
 from orthoptim.orthogonalize.power_iteration import cholesky_qr_pass
-
-
-def _all_reduce(t: Tensor, group: dist.ProcessGroup | None, op: str, stats: CommStats | None) -> Tensor:
-    if group is None:
-        return t
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    if op == "mean":
-        t /= dist.get_world_size(group)
-    if stats is not None:
-        stats.record("all_reduce", t.numel() * t.element_size())
-    return t
 
 
 def _householder_rows(p: Tensor, rows_group: dist.ProcessGroup | None, full_rows: int,
@@ -75,11 +64,11 @@ def sharded_low_rank_factors(
     """
     work = momenta[0].dtype if momenta[0].dtype in (torch.float32, torch.float64) else torch.float32
     p = torch.stack([b.to(work) @ q.to(work) for b, q in zip(momenta, right_factors)])
-    p = _all_reduce(p, cols_group, "sum", stats)
-    p = _all_reduce(p, replicate, "mean", stats)
+    p = all_reduce(p, cols_group, stats, "sum")
+    p = all_reduce(p, replicate, stats, "mean")
 
     def reduce_gram(gram: Tensor) -> Tensor:
-        return _all_reduce(gram, rows_group, "sum", stats)
+        return all_reduce(gram, rows_group, stats, "sum")
 
     q1, ok1 = cholesky_qr_pass(p, reduce_gram)
     q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q1), reduce_gram)
@@ -91,10 +80,10 @@ def sharded_low_rank_factors(
         q2 = q2.clone()
         q2[bad] = _householder_rows(p[bad], rows_group, full_rows, stats)
     r = torch.stack([b.to(work).mT @ pi for b, pi in zip(momenta, q2)])
-    r = _all_reduce(r, rows_group, "sum", stats)
+    r = all_reduce(r, rows_group, stats, "sum")
     if cols_group is not None:
         whole = r.new_zeros((r.shape[0], full_cols, r.shape[2]))
         whole[:, col_offset : col_offset + r.shape[1]] = r
-        r = _all_reduce(whole, cols_group, "sum", stats)
-    r = _all_reduce(r, replicate, "mean", stats)
+        r = all_reduce(whole, cols_group, stats, "sum")
+    r = all_reduce(r, replicate, stats, "mean")
     return torch.cat([q2, r], dim=-2).to(momenta[0].dtype)
