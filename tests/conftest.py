@@ -1,7 +1,17 @@
 """Shared test settings."""
 
+import os
+
 import pytest
 import torch
+
+from orthoptim.kernels import cpu_dtype
+
+# The tolerances of the numerical tests are fp32's, on every CI machine: without this the polar
+# iterations would run in bf16 on CPUs with bf16 matrix units (the library's default there) and in
+# fp32 elsewhere. tests/test_cpu_dtype.py covers the automatic choice and the bf16 path.
+# An environment variable, so that subprocesses (distributed ranks, the CLI) inherit it.
+os.environ[cpu_dtype.ENV_VAR] = "float32"
 
 
 @pytest.fixture(autouse=True, scope="session")

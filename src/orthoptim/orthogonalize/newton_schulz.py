@@ -24,7 +24,8 @@ def newton_schulz(
     """Approximate the polar factor U Vᵀ of every matrix in ``x`` ([..., k, n]).
 
     Each iteration is X ← aX + (bA + cA²)X with A = X Xᵀ, on the short side (tall inputs are
-    transposed). Runs in ``dtype`` (default: bf16 on CUDA, fp32 otherwise); returns ``x.dtype``.
+    transposed). Runs in ``dtype`` (default: bf16 on CUDA; on CPUs bf16 where they
+    multiply it natively, else fp32: see ``kernels.cpu_dtype``); returns ``x.dtype``.
     ``symmetric_kernels``: compute the two symmetric products (A and bA + cA²) through
     ``orthoptim.kernels`` (lower-triangle Triton kernels on CUDA where they run; the same torch
     products elsewhere), to measure what they buy before the Gram form changes the iteration.

@@ -1,0 +1,151 @@
+"""The polar iterations' dtype on CPUs: bf16 where the CPU multiplies bf16 natively, fp32 elsewhere.
+
+The rest of the suite pins ``ORTHOPTIM_CPU_DTYPE=float32`` (conftest) so that its fp32 tolerances
+hold on every machine; here the automatic choice and the bf16 path are checked on any CPU (bf16
+matmuls run everywhere, only slowly without bf16 units), against float64 references.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+
+import orthoptim
+from orthoptim.kernels import cpu_dtype
+from orthoptim.orthogonalize import gram_newton_schulz, newton_schulz
+from orthoptim.orthogonalize._common import normalize
+from tests.reference_rules import exact_polar_batch
+
+
+def _gaussian(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture
+def auto(monkeypatch):
+    """The automatic choice, with the CPU's bf16 support set by the test."""
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, "auto")
+
+    def has_bf16_units(value: bool) -> None:
+        monkeypatch.setattr(cpu_dtype, "native_bf16_matmul", lambda: value)
+
+    return has_bf16_units
+
+
+@pytest.mark.parametrize(("native", "expected"), [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_follows_the_cpus_bf16_units(auto, native, expected):
+    auto(native)
+    assert cpu_dtype.iteration_dtype() == expected
+    x = _gaussian(2, 8, 16)
+    assert torch.equal(newton_schulz(x), newton_schulz(x, dtype=expected))
+
+
+@pytest.mark.parametrize(("value", "expected"), [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                                 (" BFloat16 ", torch.bfloat16), ("", None)])
+def test_the_environment_variable_overrides_the_choice(monkeypatch, value, expected):
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, value)
+    monkeypatch.setattr(cpu_dtype, "native_bf16_matmul", lambda: True)
+    assert cpu_dtype.iteration_dtype() == (expected or torch.bfloat16)  # empty means auto
+
+
+def test_a_bad_value_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, "fp8")
+    with pytest.raises(ValueError, match=r"ORTHOPTIM_CPU_DTYPE='fp8'.*'float32'.*'bfloat16'"):
+        newton_schulz(_gaussian(1, 4, 8))
+
+
+def test_native_bf16_matmul_reads_the_cpu():
+    """The probe agrees with torch's own CPU capability checks (where this torch has them)."""
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    expected = torch.backends.mkldnn.is_available() and any(bool(p()) for p in probes if p is not None)
+    assert cpu_dtype.native_bf16_matmul() is expected
+
+
+def test_explicit_dtype_and_float64_inputs_are_kept(auto):
+    x = _gaussian(2, 8, 16)
+    auto(False)
+    fp32_default = newton_schulz(x)
+    auto(True)
+    assert torch.equal(newton_schulz(x, dtype=torch.float32), fp32_default)  # explicit fp32 wins over auto
+    assert not torch.equal(newton_schulz(x), fp32_default)  # bf16 by default now
+    x64 = x.double()
+    assert torch.equal(newton_schulz(x64), newton_schulz(x64, dtype=torch.float64))
+    assert torch.equal(gram_newton_schulz(x64), gram_newton_schulz(x64, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(4, 32, 32), (4, 16, 64), (3, 96, 24)])
+def test_bf16_newton_schulz_is_as_close_to_the_polar_factor_as_fp32(shape):
+    """Rounding to bf16 adds little to the schedule's own distance from U Vᵀ (~0.1 on Gaussians)."""
+    x = _gaussian(*shape, seed=sum(shape))
+    exact = exact_polar_batch(x.double())
+    fp32 = _rel(newton_schulz(x, dtype=torch.float32), exact)
+    bf16 = _rel(newton_schulz(x, dtype=torch.bfloat16), exact)
+    assert 0.02 < fp32 < 0.3  # the schedule's own error, so the comparison below means something
+    assert abs(bf16 - fp32) < 0.02, (bf16, fp32)
+    assert _rel(newton_schulz(x, dtype=torch.bfloat16), newton_schulz(x, dtype=torch.float32)) < 0.03
+
+
+def test_gram_runs_standard_newton_schulz_where_the_default_is_bf16(auto):
+    """bf16's mantissa is too short for the Gram form: by default it is standard NS in bf16; an
+    explicit dtype=bf16 still gets the Gram iteration (which then differs)."""
+    auto(True)
+    x = _gaussian(3, 16, 64)
+    assert torch.equal(gram_newton_schulz(x), newton_schulz(x, dtype=torch.bfloat16))
+    assert not torch.equal(gram_newton_schulz(x, dtype=torch.bfloat16), newton_schulz(x, dtype=torch.bfloat16))
+    auto(False)
+    assert torch.equal(gram_newton_schulz(x), gram_newton_schulz(x, dtype=torch.float32))
+
+
+def test_normalize_rounds_the_fp32_quotient_once():
+    x = _gaussian(3, 16, 40) * 7.0
+    norm = torch.linalg.vector_norm(x.double(), dim=(-2, -1), keepdim=True)
+    want = (x.double() / (norm + 1e-7)).to(torch.bfloat16)
+    got = normalize(x, torch.bfloat16, 1e-7)
+    assert got.dtype == torch.bfloat16
+    # fp32 division then one rounding: equal to the rounded exact quotient except at rare ties.
+    assert (got != want).float().mean().item() < 1e-3
+
+
+OPTIMIZERS = {
+    "muon": lambda p, orth: orthoptim.Muon(p, lr=0.02, weight_decay=0.1, **orth),
+    "normuon": lambda p, orth: orthoptim.NorMuon(p, lr=0.02, **orth),
+    "dion2": lambda p, orth: orthoptim.Dion2(p, lr=0.02, fraction=0.5, **orth),
+    "dion3": lambda p, orth: orthoptim.Dion3(p, lr=0.02, fraction=0.5, weight_decay=0.1, **orth),
+}
+
+
+def _run(name: str, monkeypatch, env: str, orthogonalizer=None) -> list[torch.Tensor]:
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, env)
+    shapes = [(24, 24), (24, 24), (48, 24), (24, 96)]
+    params = [torch.nn.Parameter(_gaussian(*s, seed=i) * 0.1) for i, s in enumerate(shapes)]
+    opt = OPTIMIZERS[name](params, {"orthogonalizer": orthogonalizer} if orthogonalizer else {})
+    for step in range(3):
+        for i, p in enumerate(params):
+            p.grad = _gaussian(*p.shape, seed=100 * step + i)
+        opt.step()
+    for p in params:
+        assert p.dtype == torch.float32 and opt.state[p]["momentum"].dtype == torch.float32
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optimizers_under_the_bf16_default(name, monkeypatch):
+    """The bf16 default reaches every rule (same steps as an explicit bf16 orthogonalizer), keeps
+    parameters and state in fp32, and stays within bf16 rounding of the fp32 steps."""
+    start = [(_gaussian(*p.shape, seed=i) * 0.1) for i, p in enumerate(
+        [torch.empty(24, 24), torch.empty(24, 24), torch.empty(48, 24), torch.empty(24, 96)])]
+    bf16 = _run(name, monkeypatch, "bfloat16")
+    explicit = _run(name, monkeypatch, "float32", partial(newton_schulz, dtype=torch.bfloat16))
+    fp32 = _run(name, monkeypatch, "float32")
+    for b, e, f, s in zip(bf16, explicit, fp32, start):
+        torch.testing.assert_close(b, e, rtol=1e-6, atol=1e-6)
+        moved = (f - s).norm()
+        assert moved > 0
+        assert ((b - f).norm() / moved).item() < 0.05  # the update differs by bf16 rounding only
