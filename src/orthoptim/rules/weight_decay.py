@@ -27,13 +27,15 @@ def decay_(params: list[Tensor], lr: LearningRate, weight_decay: float) -> None:
 
 def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> None:
     """X ← X − step_size · U for each matrix X and the matching matrix of the batch U."""
-    updates = updates.to(params[0].dtype)
     if isinstance(step_size, Tensor):
         # A tensor cannot be an ``alpha``: scale the (temporary) update batch instead.
-        updates = updates * -step_size  # a 0-dim fp32 factor: computed in fp32, kept in the update's dtype
+        updates = updates.to(params[0].dtype) * -step_size  # a 0-dim fp32 factor, kept in the parameters' dtype
         torch._foreach_add_(params, list(updates.unbind(0)))
-    else:
-        torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
+        return
+    if torch.promote_types(updates.dtype, params[0].dtype) != params[0].dtype:
+        updates = updates.to(params[0].dtype)  # a wider update is rounded once, to the parameters' dtype
+    # A narrower one (a bf16 iteration's, fp32 parameters) is widened exactly inside the add: no copy.
+    torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
 
 
 def apply_polar_factors_(params: list[Tensor], factors: PolarFactors, lr: LearningRate, weight_decay: float,
