@@ -286,6 +286,26 @@ def test_nonfinite_error_then_recovery_matches_a_run_without_the_bad_step(value)
         assert torch.equal(pa, pb), n
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_huge_finite_gradients_whose_sum_overflows_are_finite(capturable):
+    """The CPU check sums each gradient first: entries near fp32's largest value sum to inf, and such
+    a gradient must still pass (checked again exactly), while an inf next to them must not."""
+    model, opt = live_optimizer("dion3", capturable=capturable)
+    set_grads(model, 2)
+    grad = model.lin.weight.grad
+    grad.view(-1)[:4] = torch.finfo(torch.float32).max / 2
+    assert not torch.isfinite(grad.sum())
+    before = model.lin.weight.detach().clone()
+    opt.step()
+    if capturable:
+        opt.check_nonfinite()  # raises if the huge gradient had been flagged
+    assert torch.isfinite(model.lin.weight).all() and not torch.equal(model.lin.weight, before)
+    grad.view(-1)[5] = float("inf")
+    with pytest.raises(orthoptim.NonFiniteGradientError):
+        opt.step()
+        opt.check_nonfinite()
+
+
 def test_nonfinite_error_is_a_floating_point_error():
     assert issubclass(orthoptim.NonFiniteGradientError, FloatingPointError)
 
