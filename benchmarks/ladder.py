@@ -58,9 +58,13 @@ from orthoptim.benchmark import (
     time_steps,
 )
 from orthoptim.benchmark_counts import count_step, largest_megabatch_bytes, state_bytes, tensor_bytes
+from orthoptim.kernels import cpu_dtype
 from orthoptim.train.results import format_table, plots_available, save_figure, write_json
 
 CPU_SETS = "124m:4"
+# Rungs that get an fp32 twin on CPUs whose default iteration dtype is bf16.
+FP32_COMPANIONS = ("muon", "muon+gram", "dion3_f1/4")
+SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 CUDA_SETS = "124m,1b,7b:8"
 GPU_ONLY_SETS = {"7b"}
 
@@ -75,6 +79,7 @@ class Rung:
     make: Callable[[list[Tensor]], torch.optim.Optimizer]
     note: str
     priority: int  # execution order: the references and cheap rungs first, so a time budget drops the rest
+    cpu_dtype: str | None = None  # ORTHOPTIM_CPU_DTYPE while the rung runs (None: the library's choice)
 
 
 def _fused_adamw_works(device: torch.device) -> str | None:
@@ -119,11 +124,18 @@ def _kernel_note(device: torch.device, sizes: list[int], dtype: torch.dtype) -> 
 
 
 def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung]:
-    """Every rung, in table order. ``shapes`` only feeds the notes (which kernels run where)."""
+    """Every rung, in table order. ``shapes`` only feeds the notes (which kernels run where).
+
+    On a CPU the iterations run in ``orthoptim.kernels.cpu_dtype``'s choice: bf16 where the CPU has
+    bf16 matrix units, where Gram NS also becomes standard NS (bf16 is too coarse for it). The
+    ``_fp32`` rungs pin fp32 there, which is what every other CPU runs.
+    """
     cuda = device.type == "cuda"
     short = [min(m, n) for m, n in shapes]
     gram_sides = [min(m, n) for m, n in shapes if m != n]  # square matrices take standard NS
-    precision = "bf16" if cuda else "fp32"
+    precision = "bf16" if cuda else SHORT_DTYPE[cpu_dtype.iteration_dtype()]
+    bf16_cpu = not cuda and precision == "bf16"
+    gram = "bf16 CPU default: standard NS (Gram needs fp16)" if bf16_cpu else f"Gram NS, {'fp16' if cuda else 'fp32'}"
     out = {
         "adamw": Rung("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
                       "torch.optim.AdamW foreach: the memory floor", 0),
@@ -134,21 +146,49 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
         "muon+sym": Rung("muon+sym", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer=symmetric_newton_schulz),
                          f"standard NS, {precision}; " + _kernel_note(device, short, torch.bfloat16), 8),
         "muon+gram": Rung("muon+gram", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="gram"),
-                          f"Gram NS, {'fp16' if cuda else 'fp32'}; "
-                          + _kernel_note(device, gram_sides, torch.float16), 7),
+                          f"{gram}; " + _kernel_note(device, gram_sides, torch.float16), 7),
     }
     for label, f in (("1/2", 0.5), ("1/4", 0.25), ("1/8", 0.125)):
         rows = [math.ceil(f * m) for m, n in shapes]
         sides = [min(k, n) for k, (m, n) in zip(rows, shapes) if k != n]
         out[f"dion3_f{label}"] = Rung(
             f"dion3_f{label}", partial(orthoptim.Dion3, lr=0.01, fraction=f),
-            f"Gram NS on {label} of the rows; " + _kernel_note(device, sides, torch.float16),
-            {0.5: 6, 0.25: 3, 0.125: 4}[f])
+            f"{'bf16 standard NS' if bf16_cpu else 'Gram NS'} on {label} of the rows; "
+            + _kernel_note(device, sides, torch.float16), {0.5: 6, 0.25: 3, 0.125: 4}[f])
     out["dion_r1/4"] = Rung("dion_r1/4", partial(orthoptim.Dion, lr=0.01, rank_fraction=0.25),
                             "rank ceil(min(m,n)/4), Cholesky-QR", 5)
     out["torch_muon"] = Rung("torch_muon", lambda p: torch.optim.Muon(p, lr=0.01),
                              "torch.optim.Muon (bf16 NS): outside reference", 9)
+    for name in FP32_COMPANIONS:
+        base = out[name]
+        note = {"muon": "standard NS, Polar Express, fp32", "muon+gram": "Gram NS, fp32",
+                "dion3_f1/4": "Gram NS on 1/4 of the rows, fp32"}[name]
+        out[f"{name}_fp32"] = Rung(f"{name}_fp32", base.make, f"{note} (ORTHOPTIM_CPU_DTYPE=float32)",
+                                   base.priority + 10, cpu_dtype="float32")
     return out
+
+
+def default_rungs(device: torch.device, known: list[str]) -> list[str]:
+    """All rungs, but the ``_fp32`` ones only on CPUs whose default is bf16 (elsewhere they repeat)."""
+    companions = device.type == "cpu" and cpu_dtype.iteration_dtype() != torch.float32
+    return [n for n in known if companions or not n.endswith("_fp32")]
+
+
+@contextmanager
+def rung_cpu_dtype(value: str | None) -> Iterator[None]:
+    """Set ``ORTHOPTIM_CPU_DTYPE`` for one rung (nothing when ``value`` is None)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(cpu_dtype.ENV_VAR)
+    os.environ[cpu_dtype.ENV_VAR] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[cpu_dtype.ENV_VAR]
+        else:
+            os.environ[cpu_dtype.ENV_VAR] = old
 
 
 def _cpu_capability() -> str:
@@ -174,7 +214,8 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
            "torch": torch.__version__, "python": platform.python_version(),
            "commit": git("rev-parse", "--short", "HEAD") or None,
            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
-           "orthoptim_kernels": os.environ.get(kernels.ENV_VAR, "") or "auto"}
+           "orthoptim_kernels": os.environ.get(kernels.ENV_VAR, "") or "auto",
+           "orthoptim_cpu_dtype": f"{cpu_dtype.requested()} -> {SHORT_DTYPE[cpu_dtype.iteration_dtype()]}"}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -182,20 +223,27 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
 
 
 def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Measured matmul GFLOP/s (fp32 on CPU, bf16 on CUDA: what Newton-Schulz runs in) and copy GB/s
-    (read + write) of large tensors: the rates the ladder's achieved rates are set against."""
+    """Measured matmul GFLOP/s in the dtype Newton-Schulz runs in (bf16 on CUDA, the CPU's choice
+    elsewhere; on CPUs also fp32) and copy GB/s (read + write) of large tensors: the rates the
+    ladder's achieved rates are set against."""
     cuda = device.type == "cuda"
     n = 8192 if cuda else 2048
-    mm_dtype = torch.bfloat16 if cuda else torch.float32
-    a = torch.randn(n, n, device=device, dtype=mm_dtype)
-    # The fastest of several runs: a limit, and a shared machine only ever slows a run down.
-    t = min(time_steps(lambda: a @ a, warmup=2, repeats=5, device=device))
+
+    def matmul_rate(mm_dtype: torch.dtype) -> float:
+        a = torch.randn(n, n, device=device, dtype=mm_dtype)
+        # The fastest of several runs: a limit, and a shared machine only ever slows a run down.
+        return 2 * n**3 / min(time_steps(lambda: a @ a, warmup=2, repeats=5, device=device)) / 1e6
+
+    mm_dtype = torch.bfloat16 if cuda else cpu_dtype.iteration_dtype()
+    limits = {"matmul_dtype": str(mm_dtype).removeprefix("torch."), "matmul_gflop_per_s": matmul_rate(mm_dtype)}
+    if not cuda and mm_dtype != torch.float32:
+        limits["matmul_fp32_gflop_per_s"] = matmul_rate(torch.float32)
     numel = (1 << 28) if cuda else (1 << 25)
     x = torch.empty(numel, device=device, dtype=dtype)
     y = torch.empty_like(x)
     tc = min(time_steps(lambda: y.copy_(x), warmup=2, repeats=5, device=device))
-    return {"matmul_dtype": str(mm_dtype).removeprefix("torch."), "matmul_gflop_per_s": 2 * n**3 / t / 1e6,
-            "copy_gb_per_s": 2 * x.numel() * x.element_size() / tc / 1e6}
+    limits["copy_gb_per_s"] = 2 * x.numel() * x.element_size() / tc / 1e6
+    return limits
 
 
 @contextmanager
@@ -216,6 +264,29 @@ def torch_kernels() -> Iterator[None]:
 
 def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
              args: argparse.Namespace) -> dict[str, Any]:
+    with rung_cpu_dtype(rung.cpu_dtype):
+        return _run_rung(rung, shapes, device, dtype, args)
+
+
+def more_times(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
+               args: argparse.Namespace) -> list[float]:
+    """Another round of a rung: a fresh optimizer, its warm-up, ``--repeats`` timed steps (no counters)."""
+    with rung_cpu_dtype(rung.cpu_dtype):
+        params = make_params(shapes, device=device, dtype=dtype, seed=args.seed, on_device=device.type == "cuda")
+        opt = rung.make(params)
+        return time_steps(opt.step, warmup=args.warmup + 1, repeats=args.repeats, device=device)
+
+
+def pool_times(row: dict[str, Any], times: list[float]) -> None:
+    """Add a later round's times to a row and recompute what depends on the median."""
+    row["times_ms"] = row["times_ms"] + times
+    row["median_ms"] = ms = median(row["times_ms"])
+    row["gflop_per_s"] = row["flops"] / ms / 1e6
+    row["gb_per_s"] = row["bytes_moved"] / ms / 1e6
+
+
+def _run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
+              args: argparse.Namespace) -> dict[str, Any]:
     params = make_params(shapes, device=device, dtype=dtype, seed=args.seed, on_device=device.type == "cuda")
     opt = rung.make(params)
     for _ in range(args.warmup):
@@ -339,6 +410,18 @@ def plot(rows: list[dict[str, Any]], sets: list[str], path: Path, title: str) ->
     plt.close(fig)
 
 
+def _limits_text(limits: dict[str, Any]) -> str:
+    text = f"matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s {limits['matmul_dtype']}"
+    if "matmul_fp32_gflop_per_s" in limits:
+        text += f" ({limits['matmul_fp32_gflop_per_s']:.0f} float32)"
+    return text + f", copy {limits['copy_gb_per_s']:.1f} GB/s"
+
+
+def _rounds(results: dict[str, Any]) -> str:
+    rounds = results.get("rounds", 1)
+    return f", {rounds} rounds over the rungs (each rung's repeats pooled)" if rounds > 1 else ""
+
+
 def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     """Print the tables of a ladder run (fresh or loaded from its JSON) and draw its PNG."""
     env, limits, rows = results["environment"], results["device_limits"], results["rows"]
@@ -348,8 +431,7 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     print(f"\noptimizer.step() ladder: {env['device']}{' (' + env['gpu'] + ')' if cuda else ''}, "
           f"{results['dtype']}, {env['threads']} thread(s), torch {env['torch']}, commit {env['commit']}"
           f"{' (+ uncommitted changes)' if env['uncommitted_changes'] else ''}; medians of {results['repeats']} "
-          f"after {results['warmup']} warm-up; device: matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s "
-          f"{limits['matmul_dtype']}, copy {limits['copy_gb_per_s']:.1f} GB/s\n")
+          f"after {results['warmup']} warm-up{_rounds(results)}; device: {_limits_text(limits)}\n")
     for label, info in results["sets"].items():
         print(f"- {label}: d_model {info['d_model']}, {info['layers']} of {info['preset_layers']} layers, "
               f"{info['parameters'] / 1e6:.1f} M parameters = {info['param_bytes'] / 2**20:.0f} MiB, largest "
@@ -378,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameters and state")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 CPU, 3 CUDA)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps (default: 3 CPU, 10 CUDA)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="time every rung this many times, one round after another, and pool the repeats: "
+                             "a shared machine's load then weighs on every rung alike (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=None,
@@ -400,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--device {device}: CUDA is not available to this torch ({torch.__version__})")
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     args.repeats = args.repeats if args.repeats is not None else (10 if cuda else 3)
-    for flag, value, low in (("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1),
+    for flag, value, low in (("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1),
                              ("--threads", args.threads, 1), ("--top-ops", args.top_ops, 0)):
         if value < low:
             parser.error(f"{flag} {value} must be >= {low}")
@@ -411,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     known = list(rungs(device, [(2, 2)]))
-    wanted = args.optimizers.split(",") if args.optimizers else known
+    wanted = args.optimizers.split(",") if args.optimizers else default_rungs(device, known)
     unknown = [n for n in wanted if n not in known]
     if unknown:
         parser.error(f"unknown optimizers {unknown}; known: {', '.join(known)}")
@@ -422,20 +507,26 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.get_num_threads()} thread(s), torch {torch.__version__}, {args.warmup} warm-up + 1 counted "
         f"+ {args.repeats} timed steps per rung")
     limits = device_limits(device, dtype)
-    say(f"ladder: device limits measured here: matmul {limits['matmul_gflop_per_s']:.0f} GFLOP/s "
-        f"({limits['matmul_dtype']}), copy {limits['copy_gb_per_s']:.1f} GB/s")
+    say(f"ladder: device limits measured here: {_limits_text(limits)}")
     no_fused = _fused_adamw_works(device)
     bf16_slowdown = _slow_bf16_matmul(device)
     started = time.time()
     failures = 0
     results: dict[str, Any] = {"environment": env, "device_limits": limits, "dtype": args.dtype,
-                               "warmup": args.warmup, "repeats": args.repeats, "columns": COLUMNS,
+                               "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
+                               "columns": COLUMNS,
                                "sets": {}, "rows": []}
 
     def save() -> None:
         if args.json:
             results["wall_s"] = time.time() - started
             write_json(args.json, results)
+
+    def publish(label: str, rows: dict[str, dict[str, Any]]) -> None:
+        ordered = [rows[n] for n in wanted if n in rows]
+        add_ratios(ordered)
+        results["rows"] = [r for r in results["rows"] if r["set"] != label] + ordered
+        save()
 
     for label, d_model, layers, full in sets:
         shapes = gpt_matrix_shapes(d_model, layers)
@@ -487,10 +578,18 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     say(f"  {label:>8} {rung.name:<12} {row['note']}")
             rows[rung.name] = row
-            ordered = [rows[n] for n in wanted if n in rows]
-            add_ratios(ordered)
-            results["rows"] = [r for r in results["rows"] if r["set"] != label] + ordered
-            save()
+            publish(label, rows)
+        for round_index in range(1, args.rounds):  # the same rungs again: load drifts hit every rung alike
+            for name in [n for n in wanted if rows.get(n, {}).get("median_ms") is not None]:
+                if args.budget_s is not None and time.time() - started > args.budget_s:
+                    break
+                try:
+                    pool_times(rows[name], more_times(all_rungs[name], shapes, device, dtype, args))
+                except Exception:  # the first round's times stand
+                    traceback.print_exc()
+                    failures += 1
+                say(f"  {label:>8} {name:<12} {rows[name]['median_ms']:10.1f} ms  (round {round_index + 1})")
+            publish(label, rows)
 
     report(results, args.png, args.top_ops)
     save()

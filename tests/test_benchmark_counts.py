@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -219,3 +220,34 @@ def test_ladder_records_a_failing_rung_and_runs_the_rest(tmp_path, capsys, monke
     assert rows["muon"]["median_ms"] is None and "RuntimeError: broken kernel" in rows["muon"]["note"]
     assert rows["adamw"]["median_ms"] > 0 and rows["dion3_f1/4"]["median_ms"] > 0
     assert "broken kernel" in capsys.readouterr().err
+
+
+def test_ladder_on_a_bf16_cpu_adds_fp32_twins_and_pools_rounds(tmp_path, monkeypatch):
+    """Where the CPU default is bf16, the ladder also runs fp32 twins of Muon, Gram and Dion3 (fp32 is
+    what other CPUs run), under ORTHOPTIM_CPU_DTYPE=float32 for that rung only; --rounds pools the
+    repeats of every round."""
+    from orthoptim.kernels import cpu_dtype
+
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, "bfloat16")
+    ladder = _ladder()
+    seen = {}
+    real = ladder._run_rung
+
+    def spy(rung, *args, **kwargs):
+        seen[rung.name] = cpu_dtype.iteration_dtype()
+        return real(rung, *args, **kwargs)
+
+    monkeypatch.setattr(ladder, "_run_rung", spy)
+    out = tmp_path / "ladder.json"
+    assert ladder.main(["--sets", "d32x1", "--device", "cpu", "--warmup", "0", "--repeats", "2", "--rounds", "2",
+                        "--budget-s", "600", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = {r["optimizer"]: r for r in results["rows"]}
+    assert {"muon_fp32", "muon+gram_fp32", "dion3_f1/4_fp32"} <= set(rows)
+    assert seen["muon"] == torch.bfloat16 and seen["muon_fp32"] == torch.float32
+    assert seen["dion3_f1/4_fp32"] == torch.float32 and cpu_dtype.iteration_dtype() == torch.bfloat16  # restored
+    assert "bf16" in rows["muon"]["note"] and "standard NS" in rows["muon+gram"]["note"]
+    assert rows["muon+gram_fp32"]["note"].startswith("Gram NS, fp32")
+    assert len(rows["muon"]["times_ms"]) == 4 and rows["muon"]["median_ms"] == pytest.approx(
+        statistics.median(rows["muon"]["times_ms"]))
+    assert results["rounds"] == 2 and results["environment"]["orthoptim_cpu_dtype"] == "bfloat16 -> bf16"
