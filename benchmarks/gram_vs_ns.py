@@ -3,7 +3,9 @@
     python benchmarks/gram_vs_ns.py --threads 1 --json results/gram_vs_ns.json
 
 On [8, k, a·k] batches for aspect ratios a = 1 … 16: the median ms of each orthogonalizer and its
-relative Frobenius distance to the exact U Vᵀ (float64 SVD) on Gaussian matrices. Optimizer step
+relative Frobenius distance to the exact U Vᵀ (float64 SVD) on Gaussian matrices, both in one
+``--dtype`` (default float32: equal precision, which is what makes the times comparable; "auto" is
+the library's default, where bf16 CPUs run Gram as standard NS). Optimizer step
 times, FLOPs, bytes and memory per optimizer are in ``benchmarks/ladder.py`` (this script's step-time
 table moved there). A benchmark, not a test: quote medians and ratios from one run.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -21,8 +24,8 @@ from orthoptim.train.results import write_json
 SHAPES = [(256, 1), (256, 2), (256, 4), (256, 8), (128, 16), (512, 4)]  # (k, aspect): batches [8, k, aspect·k]
 
 
-def bench_gram(device: str, warmup: int, repeats: int) -> list[dict]:
-    orth = orthogonalizer_callables()
+def bench_gram(device: str, warmup: int, repeats: int, dtype: torch.dtype | None) -> list[dict]:
+    orth = {name: partial(f, dtype=dtype) for name, f in orthogonalizer_callables().items()}
     rows = []
     for k, aspect in SHAPES:
         x = torch.randn(8, k, aspect * k, device=device)
@@ -36,8 +39,8 @@ def bench_gram(device: str, warmup: int, repeats: int) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    print("Gram vs standard Newton-Schulz (Polar Express, batch 8; error = rel. distance to U Vᵀ)")
+def print_table(rows: list[dict], dtype: str) -> None:
+    print(f"Gram vs standard Newton-Schulz (Polar Express, {dtype}, batch 8; error = rel. distance to U Vᵀ)")
     print("| shape | aspect | NS ms | Gram ms | speedup | NS error | Gram error |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -51,15 +54,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "auto"), default="float32",
+                        help="the iterations' dtype, for both (default float32; auto: the library's choice)")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.time()
-    rows = bench_gram(args.device, args.warmup, args.repeats)
-    print_table(rows)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    rows = bench_gram(args.device, args.warmup, args.repeats, dtype)
+    print_table(rows, args.dtype)
     if args.json:
         write_json(args.json, {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device,
-                               "torch": torch.__version__, "threads": torch.get_num_threads(),
+                               "torch": torch.__version__, "threads": torch.get_num_threads(), "dtype": args.dtype,
                                "wall_s": time.time() - started, "gram_vs_ns": rows})
         print(f"wrote {args.json}")
 

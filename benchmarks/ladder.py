@@ -127,7 +127,7 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
     """Every rung, in table order. ``shapes`` only feeds the notes (which kernels run where).
 
     On a CPU the iterations run in ``orthoptim.kernels.cpu_dtype``'s choice: bf16 where the CPU has
-    bf16 matrix units, where Gram NS also becomes standard NS (bf16 is too coarse for it). The
+    bf16 matrix units (Gram NS then restarts twice). The
     ``_fp32`` rungs pin fp32 there, which is what every other CPU runs.
     """
     cuda = device.type == "cuda"
@@ -135,7 +135,7 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
     gram_sides = [min(m, n) for m, n in shapes if m != n]  # square matrices take standard NS
     precision = "bf16" if cuda else SHORT_DTYPE[cpu_dtype.iteration_dtype()]
     bf16_cpu = not cuda and precision == "bf16"
-    gram = "bf16 CPU default: standard NS (Gram needs fp16)" if bf16_cpu else f"Gram NS, {'fp16' if cuda else 'fp32'}"
+    gram = "Gram NS, bf16, restarts (2, 4)" if bf16_cpu else f"Gram NS, {'fp16' if cuda else 'fp32'}"
     out = {
         "adamw": Rung("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
                       "torch.optim.AdamW foreach: the memory floor", 0),
@@ -153,7 +153,7 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
         sides = [min(k, n) for k, (m, n) in zip(rows, shapes) if k != n]
         out[f"dion3_f{label}"] = Rung(
             f"dion3_f{label}", partial(orthoptim.Dion3, lr=0.01, fraction=f),
-            f"{'bf16 standard NS' if bf16_cpu else 'Gram NS'} on {label} of the rows; "
+            f"Gram NS{', bf16' if bf16_cpu else ''} on {label} of the rows; "
             + _kernel_note(device, sides, torch.float16), {0.5: 6, 0.25: 3, 0.125: 4}[f])
     out["dion_r1/4"] = Rung("dion_r1/4", partial(orthoptim.Dion, lr=0.01, rank_fraction=0.25),
                             "rank ceil(min(m,n)/4), Cholesky-QR", 5)

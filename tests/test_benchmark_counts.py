@@ -246,7 +246,7 @@ def test_ladder_on_a_bf16_cpu_adds_fp32_twins_and_pools_rounds(tmp_path, monkeyp
     assert {"muon_fp32", "muon+gram_fp32", "dion3_f1/4_fp32"} <= set(rows)
     assert seen["muon"] == torch.bfloat16 and seen["muon_fp32"] == torch.float32
     assert seen["dion3_f1/4_fp32"] == torch.float32 and cpu_dtype.iteration_dtype() == torch.bfloat16  # restored
-    assert "bf16" in rows["muon"]["note"] and "standard NS" in rows["muon+gram"]["note"]
+    assert "bf16" in rows["muon"]["note"] and "Gram NS, bf16" in rows["muon+gram"]["note"]
     assert rows["muon+gram_fp32"]["note"].startswith("Gram NS, fp32")
     assert len(rows["muon"]["times_ms"]) == 4 and rows["muon"]["median_ms"] == pytest.approx(
         statistics.median(rows["muon"]["times_ms"]))

@@ -17,6 +17,7 @@ from orthoptim.orthogonalize.coefficients import (
     scale_coefficients,
 )
 from orthoptim.orthogonalize.gram_newton_schulz import (
+    BF16_RESTARTS,
     DEFAULT_RESTARTS,
     gram_newton_schulz,
     gram_newton_schulz_factors,
@@ -68,6 +69,7 @@ def get_factored_orthogonalizer(spec: str | Orthogonalizer) -> Callable[[Tensor]
 
 
 __all__ = [
+    "BF16_RESTARTS",
     "DEFAULT_RESTARTS",
     "FACTORED_ORTHOGONALIZERS",
     "KELLER_JORDAN",
