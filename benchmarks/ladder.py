@@ -428,8 +428,10 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     cuda = env["device"].startswith("cuda")
     for label in results["sets"]:
         add_ratios([r for r in rows if r["set"] == label])
+    iterations = f" (CPU iterations: {env['orthoptim_cpu_dtype']})" if not cuda and "orthoptim_cpu_dtype" in env else ""
     print(f"\noptimizer.step() ladder: {env['device']}{' (' + env['gpu'] + ')' if cuda else ''}, "
-          f"{results['dtype']}, {env['threads']} thread(s), torch {env['torch']}, commit {env['commit']}"
+          f"parameters {results['dtype']}{iterations}, {env['threads']} thread(s), torch {env['torch']}, "
+          f"commit {env['commit']}"
           f"{' (+ uncommitted changes)' if env['uncommitted_changes'] else ''}; medians of {results['repeats']} "
           f"after {results['warmup']} warm-up{_rounds(results)}; device: {_limits_text(limits)}\n")
     for label, info in results["sets"].items():
@@ -444,8 +446,9 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     if top_ops:
         print(top_ops_table(rows))
     if png:
+        iterations = f", iterations {env['orthoptim_cpu_dtype']}" if not cuda and "orthoptim_cpu_dtype" in env else ""
         title = (f"optimizer.step() median, {env.get('gpu', env['cpu'])}, {env['threads']} thread(s), "
-                 f"{results['dtype']}, torch {env['torch']}")
+                 f"parameters {results['dtype']}{iterations}, torch {env['torch']}")
         plot(rows, list(results["sets"]), Path(png), title)
         print(f"\nwrote {png}")
 
