@@ -288,8 +288,9 @@ def test_nonfinite_error_then_recovery_matches_a_run_without_the_bad_step(value)
 
 @pytest.mark.parametrize("capturable", [False, True])
 def test_huge_finite_gradients_whose_sum_overflows_are_finite(capturable):
-    """The CPU check sums each gradient first: entries near fp32's largest value sum to inf, and such
-    a gradient must still pass (checked again exactly), while an inf next to them must not."""
+    """The eager CPU check sums each gradient first: entries near fp32's largest value sum to inf, and
+    such a gradient must still pass (checked again exactly), while an inf next to them must not. The
+    capturable step checks min and max on the device and must agree."""
     model, opt = live_optimizer("dion3", capturable=capturable)
     set_grads(model, 2)
     grad = model.lin.weight.grad
@@ -304,6 +305,17 @@ def test_huge_finite_gradients_whose_sum_overflows_are_finite(capturable):
     with pytest.raises(orthoptim.NonFiniteGradientError):
         opt.step()
         opt.check_nonfinite()
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_finite_float64_gradients_beyond_fp32_range_pass(capturable):
+    p = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.float64))
+    opt = orthoptim.Muon([p], lr=1e-310, capturable=capturable)  # tiny lr: the update stays finite
+    p.grad = torch.full_like(p, 1e300)
+    opt.step()
+    if capturable:
+        opt.check_nonfinite()
+    assert torch.isfinite(p).all()
 
 
 def test_nonfinite_error_is_a_floating_point_error():

@@ -10,7 +10,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
+from functools import partial, reduce
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from orthoptim.distributed.factor_sharding import FactorSharding, factor_shardin
 from orthoptim.distributed.gather import full_tensors
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, shard_rows
+from orthoptim.kernels import cpu_dtype
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
 from orthoptim.orthogonalize import Orthogonalizer, get_factored_orthogonalizer, get_orthogonalizer, normalize_columns
@@ -170,6 +171,7 @@ class OrthonormalOptimizer(Optimizer):
                  replicate_mesh: Any = None, inner_shard_mesh: Any = None, capturable: bool = False) -> None:
         if not isinstance(capturable, bool):
             raise ValueError(f"capturable={capturable!r} must be True or False")
+        cpu_dtype.requested()  # a bad ORTHOPTIM_CPU_DTYPE is refused here, by name, not in the first step
         # Capturable: no host sync in step() (see orthoptim.optim.capture); set before groups are added.
         self.capturable = capturable
         self.nonfinite_found: Tensor | None = None  # capturable: a device flag of the last step
@@ -427,18 +429,21 @@ class OrthonormalOptimizer(Optimizer):
                     f"parameter {self.param_name(p)} has shape {tuple(p.shape)} but its gradient has "
                     f"shape {tuple(p.grad.shape)}"
                 )
-        # One reduction pass over all gradients (and, outside capture, one host sync for the step).
+        # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [_local(p.grad) for p in params]
         device = grads[0].device
-        # min and max are finite iff every entry is (NaN propagates); on CPU this is ~10x faster than
-        # an inf-norm, and unlike a 2-norm it cannot overflow on large finite gradients. Empty shards
-        # have nothing to check (zeros stand in for them).
+
         def extremes_finite(gs: list[Tensor]) -> Tensor:
-            extremes = torch.stack([torch.stack(torch.aminmax(g)).float().to(device) if g.numel()
-                                    else torch.zeros(2, device=device) for g in gs])
+            # min and max are finite iff every entry is (NaN propagates), compared in the widest of the
+            # gradients' dtypes (a finite fp64 1e300 stays finite); ~10x cheaper than an inf-norm on CPU,
+            # and unlike a 2-norm it cannot overflow. Empty shards have nothing to check (zeros).
+            wide = reduce(torch.promote_types, (g.dtype for g in gs), torch.float32)
+            extremes = torch.stack([torch.stack(torch.aminmax(g)).to(device, wide) if g.numel()
+                                    else torch.zeros(2, device=device, dtype=wide) for g in gs])
             return torch.isfinite(extremes).all(-1)
 
-        if self.capturable or device.type != "cpu":
+        summable = all(g.device.type == "cpu" and g.dtype.is_floating_point for g in grads)
+        if self.capturable or not summable:
             finite = extremes_finite(grads)
         else:
             # On CPUs a plain sum is ~1.7x faster than aminmax. A finite sum proves every entry finite
