@@ -32,9 +32,13 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
         updates = updates.to(params[0].dtype) * -step_size  # a 0-dim fp32 factor, kept in the parameters' dtype
         torch._foreach_add_(params, list(updates.unbind(0)))
         return
-    if torch.promote_types(updates.dtype, params[0].dtype) != params[0].dtype:
-        updates = updates.to(params[0].dtype)  # a wider update is rounded once, to the parameters' dtype
-    # A narrower one (a bf16 iteration's, fp32 parameters) is widened exactly inside the add: no copy.
+    wider = torch.promote_types(updates.dtype, params[0].dtype) != params[0].dtype
+    if wider or updates.device.type != "cpu":
+        # A wider update is rounded once, to the parameters' dtype. On accelerators the multi-tensor
+        # kernel needs one dtype in both lists (mixed lists launch one add per matrix): convert first.
+        updates = updates.to(params[0].dtype)
+    # On CPUs a narrower update (a bf16 iteration's, fp32 parameters) is widened exactly inside the
+    # add, one matrix at a time: no parameter-sized copy of the whole batch.
     torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
 
 
