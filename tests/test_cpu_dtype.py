@@ -61,11 +61,30 @@ def test_a_bad_value_is_refused_by_name(monkeypatch):
         newton_schulz(_gaussian(1, 4, 8))
 
 
-def test_native_bf16_matmul_reads_the_cpu():
-    """The probe agrees with torch's own CPU capability checks (where this torch has them)."""
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    expected = torch.backends.mkldnn.is_available() and any(bool(p()) for p in probes if p is not None)
-    assert cpu_dtype.native_bf16_matmul() is expected
+@pytest.mark.parametrize(("amx", "avx512_bf16", "mkldnn", "expected"), [
+    (True, False, True, True), (False, True, True, True), (False, False, True, False), (True, True, False, False)])
+def test_native_bf16_matmul_reads_the_cpu(monkeypatch, amx, avx512_bf16, mkldnn, expected):
+    """AMX tiles or AVX-512 BF16 make bf16 matmuls native, if oneDNN is there to use them."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: mkldnn)
+    cpu_dtype.native_bf16_matmul.cache_clear()
+    try:
+        assert cpu_dtype.native_bf16_matmul() is expected
+    finally:
+        cpu_dtype.native_bf16_matmul.cache_clear()
+
+
+def test_without_onednn_enabled_auto_stays_fp32(auto, monkeypatch):
+    auto(True)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert cpu_dtype.iteration_dtype() == torch.float32
+
+
+def test_a_bad_value_is_refused_when_the_optimizer_is_built(monkeypatch):
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, "half")
+    with pytest.raises(ValueError, match=r"ORTHOPTIM_CPU_DTYPE='half'"):
+        orthoptim.Dion3([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.01)
 
 
 def test_explicit_dtype_and_float64_inputs_are_kept(auto):
