@@ -28,6 +28,7 @@ def test_bench_tiny_writes_json_table_and_plot(tmp_path, capsys):
     assert 0 < rows["muon"]["orth_error"] < 0.5
     assert set(rows["dion3"]["orth_error_by_shape"]) == {"4x16", "16x16", "4x64"}  # a quarter of the rows
     assert (out / "bench.png").stat().st_size > 5_000
+    assert results["environment"]["orthoptim_cpu_dtype"] == "float32 -> float32"  # conftest pins it
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import orthoptim
+from orthoptim.kernels import cpu_dtype
 from orthoptim.train.data import Dataset
 from orthoptim.train.model import GPT, GPTConfig
 from orthoptim.train.results import save_torch
@@ -491,7 +492,9 @@ def _last_ema(values: list[float], beta: float = 0.9) -> float | None:
 
 def environment(device: str) -> dict[str, Any]:
     env = {"python": platform.python_version(), "torch": torch.__version__, "orthoptim": orthoptim.__version__,
-           "platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "device": device}
+           "platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "device": device,
+           # The polar iterations' dtype on CPUs depends on the machine (and ORTHOPTIM_CPU_DTYPE).
+           "orthoptim_cpu_dtype": f"{cpu_dtype.requested()} -> {cpu_dtype.iteration_dtype()}".replace("torch.", "")}
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return env
