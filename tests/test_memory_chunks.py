@@ -48,3 +48,24 @@ def test_parts_give_the_whole_batch_update_and_bounded_transients(name, monkeypa
     assert counts.peak_transient_bytes < 2 * largest_megabatch_bytes(params), counts.peak_transient_bytes
     if name in ("muon", "normuon"):  # whole-matrix rules: the parts are what bring it under 2x
         assert whole_peak > 2 * largest_megabatch_bytes(params)
+
+
+@pytest.mark.parametrize(("name", "fraction", "parts"), [("muon", None, 4), ("dion3", 0.5, 2), ("dion3", 0.25, 1),
+                                                          ("dion2", 0.125, 1), ("dion2", 0.75, 3)])
+def test_row_selecting_rules_split_by_what_they_orthogonalize(name, fraction, parts, monkeypatch):
+    """Only what is orthogonalized needs splitting: ceil(4·fraction) parts for Dion2/Dion3 (whole
+    batches at f ≤ 1/4, where five temporaries of the selected rows stay under 1.25x the batch)."""
+    monkeypatch.setattr(base, "CHUNK_MIN_ELEMENTS", 1 << 10)
+    calls: list[int] = []
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return orthoptim.newton_schulz(x)
+
+    params = [torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(i))) for i in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    cls = {"muon": orthoptim.Muon, "dion3": orthoptim.Dion3, "dion2": orthoptim.Dion2}[name]
+    options = {} if fraction is None else {"fraction": fraction}
+    cls(params, lr=0.02, orthogonalizer=counting, **options).step()
+    assert len(calls) == parts and sum(calls) == len(params), calls

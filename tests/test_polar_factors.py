@@ -142,11 +142,31 @@ def test_fused_step_with_tensor_lr_and_layout_views():
 
 
 def test_bf16_parameters_round_once_like_the_unfused_step():
-    """The iteration runs in fp32 on CPU: bf16 parameters take the unfused path (bit for bit)."""
+    """With fp32 iterations (the suite pins ORTHOPTIM_CPU_DTYPE=float32), bf16 parameters take the
+    unfused path (bit for bit)."""
     a, b = _pair((12, 20), torch.bfloat16, seed=4)
     _run(a, b, "polar_express")
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+def test_bf16_parameters_under_bf16_iterations_fuse(monkeypatch):
+    """Where the CPU default is bf16, bf16 parameters match the iteration's dtype and take the fused
+    addmm_: one rounding of decay + update instead of two, so within an ulp of the unfused step."""
+    from orthoptim.kernels import cpu_dtype
+
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, "bfloat16")
+    a, b = _pair((12, 20), torch.bfloat16, seed=5)
+    fused, plain = _run(a, b, "polar_express", steps=1, weight_decay=0.1)
+    for p in a:
+        p.grad = torch.randn_like(p)
+    assert count_step(fused.step, a).ops["addmm_"]["calls"] == len(a)
+    for p, q in zip(a, b):
+        q.grad = p.grad.clone()
+    plain.step()
+    for p, q in zip(a, b):
+        ulp = torch.finfo(torch.bfloat16).eps * q.detach().float().abs().max()
+        assert (p.detach().float() - q.detach().float()).abs().max() <= 2 * ulp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused update on a GPU needs CUDA")
