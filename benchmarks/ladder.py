@@ -59,6 +59,7 @@ from orthoptim.benchmark import (
 )
 from orthoptim.benchmark_counts import count_step, largest_megabatch_bytes, state_bytes, tensor_bytes
 from orthoptim.kernels import cpu_dtype
+from orthoptim.orthogonalize import BF16_RESTARTS
 from orthoptim.train.results import format_table, plots_available, save_figure, write_json
 
 CPU_SETS = "124m:4"
@@ -135,7 +136,7 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
     gram_sides = [min(m, n) for m, n in shapes if m != n]  # square matrices take standard NS
     precision = "bf16" if cuda else SHORT_DTYPE[cpu_dtype.iteration_dtype()]
     bf16_cpu = not cuda and precision == "bf16"
-    gram = "Gram NS, bf16, restarts (2, 4)" if bf16_cpu else f"Gram NS, {'fp16' if cuda else 'fp32'}"
+    gram = f"Gram NS, bf16, restarts {BF16_RESTARTS}" if bf16_cpu else f"Gram NS, {'fp16' if cuda else 'fp32'}"
     out = {
         "adamw": Rung("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
                       "torch.optim.AdamW foreach: the memory floor", 0),
@@ -159,7 +160,7 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
                             "rank ceil(min(m,n)/4), Cholesky-QR", 5)
     out["torch_muon"] = Rung("torch_muon", lambda p: torch.optim.Muon(p, lr=0.01),
                              "torch.optim.Muon (bf16 NS): outside reference", 9)
-    for name in FP32_COMPANIONS:
+    for name in FP32_COMPANIONS if not cuda else ():  # ORTHOPTIM_CPU_DTYPE means nothing on a GPU
         base = out[name]
         note = {"muon": "standard NS, Polar Express, fp32", "muon+gram": "Gram NS, fp32",
                 "dion3_f1/4": "Gram NS on 1/4 of the rows, fp32"}[name]
@@ -417,6 +418,11 @@ def _limits_text(limits: dict[str, Any]) -> str:
     return text + f", copy {limits['copy_gb_per_s']:.1f} GB/s"
 
 
+def _iterations(env: dict[str, Any]) -> str:
+    """The CPU iterations' dtype a run recorded ("" on CUDA, and for JSON written before it was)."""
+    return "" if env["device"].startswith("cuda") else env.get("orthoptim_cpu_dtype", "")
+
+
 def _rounds(results: dict[str, Any]) -> str:
     rounds = results.get("rounds", 1)
     return f", {rounds} rounds over the rungs (each rung's repeats pooled)" if rounds > 1 else ""
@@ -428,9 +434,10 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     cuda = env["device"].startswith("cuda")
     for label in results["sets"]:
         add_ratios([r for r in rows if r["set"] == label])
-    iterations = f" (CPU iterations: {env['orthoptim_cpu_dtype']})" if not cuda and "orthoptim_cpu_dtype" in env else ""
+    iterations = _iterations(env)
+    cpu_iterations = f" (CPU iterations: {iterations})" if iterations else ""
     print(f"\noptimizer.step() ladder: {env['device']}{' (' + env['gpu'] + ')' if cuda else ''}, "
-          f"parameters {results['dtype']}{iterations}, {env['threads']} thread(s), torch {env['torch']}, "
+          f"parameters {results['dtype']}{cpu_iterations}, {env['threads']} thread(s), torch {env['torch']}, "
           f"commit {env['commit']}"
           f"{' (+ uncommitted changes)' if env['uncommitted_changes'] else ''}; medians of {results['repeats']} "
           f"after {results['warmup']} warm-up{_rounds(results)}; device: {_limits_text(limits)}\n")
@@ -446,9 +453,9 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     if top_ops:
         print(top_ops_table(rows))
     if png:
-        iterations = f", iterations {env['orthoptim_cpu_dtype']}" if not cuda and "orthoptim_cpu_dtype" in env else ""
         title = (f"optimizer.step() median, {env.get('gpu', env['cpu'])}, {env['threads']} thread(s), "
-                 f"parameters {results['dtype']}{iterations}, torch {env['torch']}")
+                 f"parameters {results['dtype']}{', iterations ' + iterations if iterations else ''}, "
+                 f"torch {env['torch']}")
         plot(rows, list(results["sets"]), Path(png), title)
         print(f"\nwrote {png}")
 
