@@ -28,6 +28,7 @@ after every rung, so a killed run keeps what it measured) and --png (needs matpl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -176,20 +177,25 @@ def default_rungs(device: torch.device, known: list[str]) -> list[str]:
 
 
 @contextmanager
-def rung_cpu_dtype(value: str | None) -> Iterator[None]:
-    """Set ``ORTHOPTIM_CPU_DTYPE`` for one rung (nothing when ``value`` is None)."""
+def environment_variable(name: str, value: str | None) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` for a block (nothing when ``value`` is None)."""
     if value is None:
         yield
         return
-    old = os.environ.get(cpu_dtype.ENV_VAR)
-    os.environ[cpu_dtype.ENV_VAR] = value
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ[cpu_dtype.ENV_VAR]
+            del os.environ[name]
         else:
-            os.environ[cpu_dtype.ENV_VAR] = old
+            os.environ[name] = old
+
+
+def rung_cpu_dtype(value: str | None) -> contextlib.AbstractContextManager[None]:
+    """``ORTHOPTIM_CPU_DTYPE`` for one rung (unchanged when ``value`` is None)."""
+    return environment_variable(cpu_dtype.ENV_VAR, value)
 
 
 def _cpu_capability() -> str:
@@ -247,20 +253,11 @@ def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     return limits
 
 
-@contextmanager
-def torch_kernels() -> Iterator[None]:
+def torch_kernels() -> contextlib.AbstractContextManager[None]:
     """Count a step as the torch backend computes it: Triton kernels launch outside aten, where the
     counters cannot see them. The FLOPs of symmetric products are then dense-equivalent (the Triton
     kernels compute about half of each); timing and the CUDA memory peak use the real kernels."""
-    old = os.environ.get(kernels.ENV_VAR)
-    os.environ[kernels.ENV_VAR] = "torch"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[kernels.ENV_VAR]
-        else:
-            os.environ[kernels.ENV_VAR] = old
+    return environment_variable(kernels.ENV_VAR, "torch")
 
 
 def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
