@@ -28,7 +28,6 @@ after every rung, so a killed run keeps what it measured) and --png (needs matpl
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -38,7 +37,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -193,11 +192,6 @@ def environment_variable(name: str, value: str | None) -> Iterator[None]:
             os.environ[name] = old
 
 
-def rung_cpu_dtype(value: str | None) -> contextlib.AbstractContextManager[None]:
-    """``ORTHOPTIM_CPU_DTYPE`` for one rung (unchanged when ``value`` is None)."""
-    return environment_variable(cpu_dtype.ENV_VAR, value)
-
-
 def _cpu_capability() -> str:
     get = getattr(torch.backends.cpu, "get_cpu_capability", None)  # torch >= 2.1
     return get() if get is not None else "unknown"
@@ -222,7 +216,7 @@ def environment(device: torch.device, threads: int) -> dict[str, Any]:
            "commit": git("rev-parse", "--short", "HEAD") or None,
            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
            "orthoptim_kernels": os.environ.get(kernels.ENV_VAR, "") or "auto",
-           "orthoptim_cpu_dtype": f"{cpu_dtype.requested()} -> {SHORT_DTYPE[cpu_dtype.iteration_dtype()]}"}
+           "orthoptim_cpu_dtype": cpu_dtype.describe()}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
         env["cuda"] = torch.version.cuda
@@ -253,7 +247,7 @@ def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     return limits
 
 
-def torch_kernels() -> contextlib.AbstractContextManager[None]:
+def torch_kernels() -> AbstractContextManager[None]:
     """Count a step as the torch backend computes it: Triton kernels launch outside aten, where the
     counters cannot see them. The FLOPs of symmetric products are then dense-equivalent (the Triton
     kernels compute about half of each); timing and the CUDA memory peak use the real kernels."""
@@ -262,14 +256,14 @@ def torch_kernels() -> contextlib.AbstractContextManager[None]:
 
 def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
              args: argparse.Namespace) -> dict[str, Any]:
-    with rung_cpu_dtype(rung.cpu_dtype):
+    with environment_variable(cpu_dtype.ENV_VAR, rung.cpu_dtype):
         return _run_rung(rung, shapes, device, dtype, args)
 
 
 def more_times(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
                args: argparse.Namespace) -> list[float]:
     """Another round of a rung: a fresh optimizer, its warm-up, ``--repeats`` timed steps (no counters)."""
-    with rung_cpu_dtype(rung.cpu_dtype):
+    with environment_variable(cpu_dtype.ENV_VAR, rung.cpu_dtype):
         params = make_params(shapes, device=device, dtype=dtype, seed=args.seed, on_device=device.type == "cuda")
         opt = rung.make(params)
         return time_steps(opt.step, warmup=args.warmup + 1, repeats=args.repeats, device=device)

@@ -250,4 +250,4 @@ def test_ladder_on_a_bf16_cpu_adds_fp32_twins_and_pools_rounds(tmp_path, monkeyp
     assert rows["muon+gram_fp32"]["note"].startswith("Gram NS, fp32")
     assert len(rows["muon"]["times_ms"]) == 4 and rows["muon"]["median_ms"] == pytest.approx(
         statistics.median(rows["muon"]["times_ms"]))
-    assert results["rounds"] == 2 and results["environment"]["orthoptim_cpu_dtype"] == "bfloat16 -> bf16"
+    assert results["rounds"] == 2 and results["environment"]["orthoptim_cpu_dtype"] == "bfloat16 -> bfloat16"

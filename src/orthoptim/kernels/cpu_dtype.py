@@ -48,3 +48,8 @@ def iteration_dtype() -> torch.dtype:
     # With oneDNN switched off (torch.backends.mkldnn.enabled = False) bf16 matmuls take the slow path.
     fast = native_bf16_matmul() and torch.backends.mkldnn.enabled
     return torch.bfloat16 if fast else torch.float32
+
+
+def describe() -> str:
+    """What was asked and what runs, e.g. ``"auto -> bfloat16"``: for the records of runs and benchmarks."""
+    return f"{requested()} -> {str(iteration_dtype()).removeprefix('torch.')}"

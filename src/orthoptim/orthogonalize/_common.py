@@ -67,6 +67,6 @@ def normalize(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
     """
     acc = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc)
-    if x.device.type == "cpu" and dtype != torch.promote_types(x.dtype, norm.dtype):
+    if x.device.type == "cpu" and dtype != acc:
         return torch.div(x, norm + eps).to(dtype)
     return torch.div(x, norm + eps, out=torch.empty(x.shape, dtype=dtype, device=x.device))

@@ -494,7 +494,7 @@ def environment(device: str) -> dict[str, Any]:
     env = {"python": platform.python_version(), "torch": torch.__version__, "orthoptim": orthoptim.__version__,
            "platform": platform.platform(), "cpu_threads": torch.get_num_threads(), "device": device,
            # The polar iterations' dtype on CPUs depends on the machine (and ORTHOPTIM_CPU_DTYPE).
-           "orthoptim_cpu_dtype": f"{cpu_dtype.requested()} -> {cpu_dtype.iteration_dtype()}".replace("torch.", "")}
+           "orthoptim_cpu_dtype": cpu_dtype.describe()}
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return env
