@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats, all_gather_batch
+from orthoptim.rules.selection import l1_norms
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
@@ -140,8 +141,7 @@ class GlobalRowSelection:
     def __call__(self, momenta: list[Tensor]) -> list[Tensor]:
         chunk = -(-self.full_rows // self.world)
         local = torch.zeros((1, len(momenta), chunk), dtype=torch.float32, device=momenta[0].device)
-        for j, m in enumerate(momenta):
-            local[0, j, : m.shape[0]] = m.abs().sum(dim=1)
+        local[0, :, : momenta[0].shape[0]] = l1_norms(momenta, 0)  # same-shape shards of one megabatch
         gathered = all_gather_batch(local, self.group, self.stats)  # [world, B, chunk]
         norms = torch.cat([gathered[s, :, : self.rows[s]] for s in range(self.world)], dim=1)
         top = torch.topk(norms, self.k, dim=-1).indices  # [B, k], identical on every rank

@@ -39,7 +39,7 @@ def dion2_update(
     else:
         index = select(momenta)
     u = selection.gather_slices(momenta, index, dim)
-    selection.scatter_slices_(momenta, index, u * mu, dim)
+    selection.decay_slices_(momenta, index, u, dim, mu)
     o = orthogonalize(u)
     weight_decay.decay_(params, lr, weight_decay_rate)
     selection.add_slices_(params, index, o, dim, alpha=-lr * scale)

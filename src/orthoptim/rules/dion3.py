@@ -45,7 +45,7 @@ def dion3_update(
     else:
         index = select(momenta)
     u = selection.gather_slices(momenta, index, 0)
-    selection.scatter_slices_(momenta, index, u * mu, 0)
+    selection.decay_slices_(momenta, index, u, 0, mu)
     v_selected = selection.gather_entries(variances, index)
     post = partial(kernels.dion3_post_update, lr=lr, weight_decay=weight_decay_rate, scale=scale, beta2=beta2, eps=eps)
     if finish is None:  # normalize, decay and update in one pass, one rounding of the parameters
