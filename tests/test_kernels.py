@@ -120,6 +120,18 @@ def test_symmetric_products_torch(dtype):
     torch.testing.assert_close(torch_backend.symmetric_product(r.to(dtype), p.to(dtype)).to(F64), r @ p, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_row_sums_of_squares_match_float64(dtype):
+    gen = torch.Generator().manual_seed(2)
+    o = torch.randn(3, 5, 37, generator=gen, dtype=F64)
+    o[1, 2].zero_()  # an all-zero row sums to exactly 0
+    got = torch_backend.row_sums_of_squares(o.to(dtype))
+    assert got.shape == (3, 5) and got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    torch.testing.assert_close(got.to(F64), o.square().sum(-1), rtol=tol, atol=0)
+    assert got[1, 2] == 0
+
+
 @pytest.mark.parametrize("layout", ["list", "tensor", "colmajor"])
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize("normalize", [True, False])

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats, all_reduce
 from orthoptim.distributed.row_exchange import RowExchange, shard_rows
-from orthoptim.kernels.torch_backend import normalized_row_scale
+from orthoptim.kernels.torch_backend import normalized_row_scale, row_sums_of_squares
 
 
 class ColumnShardedPlan:
@@ -56,7 +56,7 @@ class ColumnShardedPlan:
         def finish(u_local: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
             work = torch.promote_types(torch.promote_types(u_local.dtype, v.dtype), torch.float32)
             o = on_blocks(u_local).to(work)
-            sumsq = all_reduce(o.square().sum(-1), self.group, self.stats)  # Σ_j O² over every column block
+            sumsq = all_reduce(row_sums_of_squares(o), self.group, self.stats)  # Σ_j O² over every column block
             row_scale, v_new = normalized_row_scale(sumsq, v.to(work), self.cols, beta2, eps)
             return (o * row_scale.unsqueeze(-1)).to(u_local.dtype), v_new.to(v.dtype)
 

@@ -19,7 +19,8 @@ def normalize_rows(o: Tensor, v: Tensor, beta2: float, eps: float) -> tuple[Tens
     """
     work = torch.promote_types(torch.promote_types(o.dtype, v.dtype), torch.float32)
     o_w = o.to(work)
-    row_scale, v_new = torch_backend.normalized_row_scale(o_w.square().sum(-1), v.to(work), o.shape[-1], beta2, eps)
+    sumsq = torch_backend.row_sums_of_squares(o_w)
+    row_scale, v_new = torch_backend.normalized_row_scale(sumsq, v.to(work), o.shape[-1], beta2, eps)
     return o_w * row_scale.unsqueeze(-1), v_new.to(v.dtype)
 
 
