@@ -50,6 +50,21 @@ def test_factors_multiply_to_the_polar_iteration(shape, factored):
     assert torch.allclose(f.finish(x.float()), _textbook_newton_schulz(x).float(), atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(3, 12, 20), (3, 20, 12)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_newton_schulz_iterates_in_contiguous_buffers(shape, dtype):
+    """A tall input is iterated transposed (in bf16 on CPU its normalized X keeps that layout); the
+    iterates must still land in contiguous buffers (a transposed-layout output makes CPU baddbmm
+    over 1000x slower), and the input is not written."""
+    x = torch.randn(shape, dtype=torch.float64)
+    before = x.clone()
+    f = newton_schulz_factors(x, dtype=dtype)
+    assert f.right.is_contiguous() and f.left.is_contiguous()
+    assert torch.equal(x, before)
+    atol = 1e-9 if dtype == torch.float64 else 0.1  # bf16 iterations: a few bf16 ulps per entry
+    assert torch.allclose(f.product().double(), _textbook_newton_schulz(x), atol=atol)
+
+
 def test_only_named_iterations_have_a_factored_form():
     assert get_factored_orthogonalizer("polar_express") is not None
     assert get_factored_orthogonalizer("gram") is not None

@@ -58,12 +58,15 @@ def newton_schulz_factors(
     # The torch products write into three buffers that serve every iteration (A, its polynomial,
     # the next X). A fresh tensor per product is free on GPUs, but on CPUs each one is new memory
     # whose page faults cost 10-20% of a bf16 iteration at 512×512 (same numbers either way).
+    # X alternates between two buffers, both contiguous: a tall input's X has a transposed layout,
+    # and baddbmm into such an output takes a path over 1000x slower on CPUs.
     k = X.shape[-2]
     A = X.new_empty((X.shape[0], k, k))
-    P, Y = torch.empty_like(A), torch.empty_like(X)
-    for a, b, c in coeffs[:-1]:
+    P = torch.empty_like(A)
+    buffers = (X.new_empty(X.shape), X if X.is_contiguous() else X.new_empty(X.shape))
+    for i, (a, b, c) in enumerate(coeffs[:-1]):
         torch_backend.symmetric_polynomial(torch_backend.gram(X, out=A), 0.0, b, c, out=P)
-        X, Y = torch.baddbmm(X, P, X, beta=a, out=Y), X  # aX + (bA + cA²)X; the old X is the next buffer
+        X = torch.baddbmm(X, P, X, beta=a, out=buffers[i % 2])  # aX + (bA + cA²)X
     a, b, c = coeffs[-1]
     return PolarFactors(torch_backend.symmetric_polynomial(torch_backend.gram(X, out=A), a, b, c, out=P),
                         X, transposed)
