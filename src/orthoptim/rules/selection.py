@@ -32,11 +32,10 @@ def l1_norms(momenta: list[Tensor], dim: int) -> Tensor:
     scratch = torch.empty((min(step, rows), cols), dtype=m0.dtype)
     norms = torch.zeros((len(momenta), rows if dim == 0 else cols), dtype=acc)
     for m, out in zip(momenta, norms):
-        for start in range(0, rows, step):
-            block = m[start:start + step]
-            part = torch.abs(block, out=scratch[: block.shape[0]])
+        for block, rows_out in zip(m.split(step), out.split(step) if dim == 0 else [out] * rows):
+            part = torch.abs(block, out=scratch if block.shape[0] == step else scratch[: block.shape[0]])
             if dim == 0:  # whole rows per block: each row is summed in one piece
-                torch.sum(part, dim=1, dtype=acc, out=out[start:start + step])
+                torch.sum(part, dim=1, dtype=acc, out=rows_out)
             else:
                 out += part.sum(dim=0, dtype=acc)
     return norms
