@@ -141,8 +141,9 @@ def test_muon_step_counts():
     assert counts.elementwise_passes >= 5
     assert counts.peak_transient_bytes >= k * n * F32  # at least the orthogonalized update
     ops = counts.ops
-    # The last iteration's (aI + bA + cA²) X is the addmm_ that also decays and updates the parameter.
-    assert ops["bmm"]["calls"] == 5 and ops["baddbmm"]["calls"] == 9 and ops["addmm_"]["calls"] == 1
+    # Per iteration: A = X Xᵀ (bmm), aI + bA + cA² (baddbmm), then (aI + bA + cA²) X (bmm), except
+    # in the last, where that product is the addmm_ that also decays and updates the parameter.
+    assert ops["bmm"]["calls"] == 9 and ops["baddbmm"]["calls"] == 5 and ops["addmm_"]["calls"] == 1
 
 
 def test_symmetric_newton_schulz_equals_standard():
