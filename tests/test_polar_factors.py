@@ -61,6 +61,12 @@ def test_newton_schulz_iterates_in_contiguous_buffers(shape, dtype):
     f = newton_schulz_factors(x, dtype=dtype)
     assert f.right.is_contiguous() and f.left.is_contiguous()
     assert torch.equal(x, before)
+    # The product comes back contiguous in the input's orientation (a tall input's is computed as
+    # rightᵀ leftᵀ, not returned as a transposed view), so the update reads it along the grain.
+    product = f.product()
+    assert product.shape == x.shape and product.is_contiguous()
+    torch.testing.assert_close(product.double(), (f.left.double() @ f.right.double()).mT if f.transposed
+                               else f.left.double() @ f.right.double(), rtol=1e-2, atol=1e-2)
     atol = 1e-9 if dtype == torch.float64 else 0.1  # bf16 iterations: a few bf16 ulps per entry
     assert torch.allclose(f.product().double(), _textbook_newton_schulz(x), atol=atol)
 

@@ -25,9 +25,13 @@ class PolarFactors(NamedTuple):
     transposed: bool
 
     def product(self) -> Tensor:
-        """The polar factors [B, ...] in the working dtype, in the input's orientation."""
-        out = torch.bmm(self.left, self.right)
-        return out.mT if self.transposed else out
+        """The polar factors [B, ...] in the working dtype, in the input's orientation (contiguous)."""
+        if self.transposed:
+            # (left @ right)ᵀ computed as rightᵀ @ leftᵀ: the same sums, written in the tall layout.
+            # A transposed view of left @ right would make every later elementwise pass (the update
+            # of the parameters) read it across the grain: 1.6-1.8x slower product + update on CPU.
+            return torch.bmm(self.right.mT, self.left.mT)
+        return torch.bmm(self.left, self.right)
 
     def finish(self, x: Tensor) -> Tensor:
         """The product in the shape and dtype of the input ``x`` ([..., k, n])."""
