@@ -26,8 +26,9 @@ def newton_schulz(
     Each iteration is X ← (aI + bA + cA²)X with A = X Xᵀ, on the short side (tall inputs are
     transposed): one product, the aX term folded into the k×k factor. (As aX + (bA + cA²)X, a
     baddbmm first copies X into its output: 2-26 % of a bf16 CPU iteration; in bf16 the folded
-    form's distance to U Vᵀ stays within 0.001 of it.) Runs in ``dtype`` (default: bf16 on CUDA; on CPUs bf16 where they
-    multiply it natively, else fp32: see ``kernels.cpu_dtype``); returns ``x.dtype``.
+    form's distance to U Vᵀ stays within 0.001 of it.) Runs in ``dtype`` (default: bf16 on CUDA;
+    on CPUs bf16 where they multiply it natively, else fp32: see ``kernels.cpu_dtype``); returns
+    ``x.dtype``.
     ``symmetric_kernels``: compute the two symmetric products (A and bA + cA²) through
     ``orthoptim.kernels`` (lower-triangle Triton kernels on CUDA where they run; the same torch
     products elsewhere), to measure what they buy before the Gram form changes the iteration.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ def l1_norms(momenta: list[Tensor], dim: int) -> Tensor:
     scratch = torch.empty((min(step, rows), cols), dtype=m0.dtype)
     norms = torch.zeros((len(momenta), rows if dim == 0 else cols), dtype=acc)
     for m, out in zip(momenta, norms):
-        for block, rows_out in zip(m.split(step), out.split(step) if dim == 0 else [out] * rows):
+        for block, rows_out in zip(m.split(step), out.split(step) if dim == 0 else repeat(out)):
             part = torch.abs(block, out=scratch if block.shape[0] == step else scratch[: block.shape[0]])
             if dim == 0:  # whole rows per block: each row is summed in one piece
                 torch.sum(part, dim=1, dtype=acc, out=rows_out)
