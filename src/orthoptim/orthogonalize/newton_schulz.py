@@ -53,27 +53,29 @@ def newton_schulz_factors(
     if transposed:
         batch = batch.mT
     X = normalize(batch, working_dtype(x, dtype, torch.bfloat16), eps)
-    last = len(coeffs) - 1
-    if symmetric_kernels:
-        for a, b, c in coeffs[:-1]:
-            X = torch.bmm(_polynomial(X, a, b, c), X)
-        return PolarFactors(_polynomial(X, *coeffs[last]), X, transposed)
-    # The torch products write into buffers that serve every iteration: A, its polynomial P, and
-    # two for X. A fresh tensor per product is free on GPUs, but on CPUs each one is new memory
-    # whose page faults cost 10-20 % of a bf16 iteration at 512×512. Both X buffers are
+    # The products write into buffers that serve every iteration: A and its polynomial P (torch
+    # backend), and two for X. A fresh tensor per product is free on GPUs, but on CPUs each one is
+    # new memory whose page faults cost 10-20 % of a bf16 iteration at 512×512. Both X buffers are
     # contiguous: a tall input's normalized X may have a transposed layout, and a CPU product
     # written into such an output runs over 1000x slower.
     k = X.shape[-2]
-    A = X.new_empty((X.shape[0], k, k))
-    P = torch.empty_like(A)
+    A = P = None
+    if not symmetric_kernels:
+        A = X.new_empty((X.shape[0], k, k))
+        P = torch.empty_like(A)
     buffers = (X.new_empty(X.shape), X if X.is_contiguous() else X.new_empty(X.shape))
+    last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
-        torch_backend.symmetric_polynomial(torch_backend.gram(X, out=A), a, b, c, out=P)
+        P = _polynomial(X, a, b, c, symmetric_kernels, A, P)
         if i < last:
             X = torch.bmm(P, X, out=buffers[i % 2])
     return PolarFactors(P, X, transposed)
 
 
-def _polynomial(X: Tensor, a: float, b: float, c: float) -> Tensor:
-    """aI + bA + cA² with A = X Xᵀ (symmetric), through the kernels' symmetric products."""
-    return kernels.symmetric_polynomial(kernels.gram(X), a, b, c)
+def _polynomial(X: Tensor, a: float, b: float, c: float, symmetric_kernels: bool,
+                gram_out: Tensor | None, out: Tensor | None) -> Tensor:
+    """aI + bA + cA² with A = X Xᵀ (symmetric): through the kernels' symmetric products, or the torch
+    products written into ``gram_out`` (A) and ``out``."""
+    if symmetric_kernels:
+        return kernels.symmetric_polynomial(kernels.gram(X), a, b, c)
+    return torch_backend.symmetric_polynomial(torch_backend.gram(X, out=gram_out), a, b, c, out=out)

@@ -34,7 +34,7 @@ def l1_norms(momenta: list[Tensor], dim: int) -> Tensor:
     norms = torch.zeros((len(momenta), rows if dim == 0 else cols), dtype=acc)
     for m, out in zip(momenta, norms):
         for block, rows_out in zip(m.split(step), out.split(step) if dim == 0 else repeat(out)):
-            part = torch.abs(block, out=scratch if block.shape[0] == step else scratch[: block.shape[0]])
+            part = torch.abs(block, out=scratch[: len(block)])
             if dim == 0:  # whole rows per block: each row is summed in one piece
                 torch.sum(part, dim=1, dtype=acc, out=rows_out)
             else:
@@ -78,8 +78,7 @@ def decay_slices_(targets: list[Tensor], index: Index, current: Tensor, dim: int
 
     Written as one in-place add of (μ − 1)·current: no scaled copy of the batch is allocated.
     """
-    for i, t in enumerate(targets):
-        t.index_add_(dim, index[i], current[i].narrow(dim, 0, len(index[i])).to(t.dtype), alpha=mu - 1.0)
+    add_slices_(targets, index, current, dim, alpha=mu - 1.0)
 
 
 def add_slices_(targets: list[Tensor], index: Index, values: Tensor, dim: int, alpha: float | Tensor) -> None:

@@ -38,7 +38,7 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
         # kernel needs one dtype in both lists (mixed lists launch one add per matrix): convert first.
         updates = updates.to(params[0].dtype)
     # On CPUs a narrower update (a bf16 iteration's, fp32 parameters) is widened exactly inside the
-    # add, one matrix at a time: no parameter-sized copy of the whole batch.
+    # add, which converts one matrix at a time: no fp32 copy of the whole batch at once.
     torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
 
 
