@@ -1,19 +1,30 @@
-"""Run a function on N real torch.distributed processes (gloo, CPU) with a hard timeout.
+"""Real torch.distributed processes (gloo, CPU) for tests, each launch with a hard timeout.
 
-Each rank calls ``fn(rank, world_size, *args)``; what it returns is saved and handed back to the
-test as a list indexed by rank. A rank that raises or hangs fails the test instead of blocking CI.
+``run_distributed``: each rank calls ``fn(rank, world_size, *args)``; what it returns is saved and
+handed back to the test as a list indexed by rank. A rank that raises or hangs fails the test
+instead of blocking CI.
+
+``torchrun``: the `orthoptim` command under a real ``torchrun`` launch, as a user runs it.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -65,3 +76,60 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     p.terminate()
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)["result"]
                 for r in range(world_size)]
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc -m orthoptim.cli *args``, one thread per process.
+
+    The launcher runs in its own process group, so a hang kills the workers too (not only torchrun)
+    and fails the test with their output. Workers run with faulthandler on, so a crash in native code
+    prints every thread's Python stack. A launch in which a worker was killed by a signal other than
+    the launcher's own SIGTERM (a native crash, not a Python error) is relaunched once, after a
+    warning that carries the crashed workers' output; a second crash is returned to the test. A fresh
+    run's ``--out`` folder is removed first; a ``--resume`` continues from its last checkpoint.
+    """
+    first = _launch(nproc, args, timeout)
+    crash = _signal_from_worker(first.stderr)
+    if first.returncode == 0 or crash is None:
+        return first
+    warnings.warn(f"torchrun {' '.join(args)}: a worker died by {crash}; relaunching once. Its output:\n"
+                  f"{launch_report(first)}", stacklevel=2)
+    if "--out" in args and "--resume" not in args:
+        shutil.rmtree(Path(args[args.index("--out") + 1]), ignore_errors=True)
+    return _launch(nproc, args, timeout)
+
+
+def launch_report(done: subprocess.CompletedProcess, limit: int = 3000) -> str:
+    """What the workers printed (their tracebacks, faulthandler stacks), without the launcher's own
+    ChildFailedError traceback, which would otherwise fill the tail; then the launcher's summary."""
+    err = done.stderr
+    cut = err.rfind("Traceback (most recent call last):")
+    if cut < 0 or "ChildFailedError" not in err[cut:]:
+        return err[-limit:]
+    summary = err[cut:]
+    root = summary.find("Root Cause")
+    return err[:cut][-limit:] + "\n[launcher] " + (summary[root:root + 800] if root >= 0 else summary[-800:])
+
+
+def _launch(nproc: int, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               "-m", "orthoptim.cli", *args]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"torchrun with {nproc} processes hung > {timeout}s: {' '.join(args)}\n{err[-2000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _signal_from_worker(stderr: str) -> str | None:
+    """The signal that killed a worker, from the launcher's summary (``exitcode : -6``); None if every
+    failed worker exited on its own or was stopped by the launcher (SIGTERM)."""
+    for code in re.findall(r"exitcode\s*:\s*-(\d+)", stderr):
+        if int(code) != signal.SIGTERM:
+            return signal.Signals(int(code)).name
+    return None

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from orthoptim.cli import main
+from tests.distributed_harness import launch_report, torchrun
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "16", "--context", "16", "--batch-size", "2",
         "--eval-every", "2", "--eval-batches", "1", "--corpus-mb", "0.1", "--threads", "1"]
@@ -27,26 +24,6 @@ def _restore_threads():
 
 def _train(tmp_path, *args: str) -> int:
     return main(["train", *TINY, "--cache-dir", str(tmp_path / "cache"), "--quiet", *args])
-
-
-def torchrun(nproc: int, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node nproc -m orthoptim.cli *args``, one thread per process.
-
-    The launcher runs in its own process group, so a hang kills the workers too (not only torchrun)
-    and fails the test with their output.
-    """
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               "-m", "orthoptim.cli", *args]
-    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            pytest.fail(f"torchrun with {nproc} processes hung > {timeout}s: {' '.join(args)}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
 def test_compare_end_to_end(tmp_path, capsys):
@@ -156,7 +133,7 @@ def test_torchrun_two_processes_match_one(tmp_path):
             "--batch-size", "4", "--compare", "dion3,dion,adamw"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     done = torchrun(2, *args, "--out", str(tmp_path / "two"))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, launch_report(done)
     one = json.loads((tmp_path / "one" / "results.json").read_text())["runs"]
     two = json.loads((tmp_path / "two" / "results.json").read_text())
     assert two["environment"]["processes"] == 2

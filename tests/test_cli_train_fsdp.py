@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from orthoptim.cli import main
-from tests.distributed_harness import run_distributed
-from tests.test_cli_train import TINY, torchrun
+from tests.distributed_harness import launch_report, run_distributed, torchrun
+from tests.test_cli_train import TINY
 
 REL = 1e-4
 # Dion3: rows exchanged over distributed_mesh; Dion: outer_shard_mesh; AdamW: torch's, on DTensor shards.
@@ -53,14 +53,14 @@ def test_fsdp_then_resume_under_hsdp_matches_one_process(reference):
     out = root / "fsdp"
     done = torchrun(2, "train", *ARGS, "--cache-dir", str(root / "cache"), "--compare", ",".join(NAMES),
                     "--fsdp", "--stop-at", "2", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, launch_report(done)
     partial = json.loads((out / "results.json").read_text())
     assert partial["environment"]["parallel"] == "fsdp"
     assert all(r["steps"] == 2 and not r["finished"] for r in partial["runs"].values())
 
     # The FSDP checkpoints continue under HSDP (1 replica x 2 shards): another layout, same curve.
     done = torchrun(2, "train", "--resume", str(out), "--hsdp", "1,2", "--quiet", "--no-plot", "--threads", "1")
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, launch_report(done)
     results = json.loads((out / "results.json").read_text())
     assert results["environment"]["parallel"] == "hsdp 1x2" and results["environment"]["processes"] == 2
     assert all(r["finished"] for r in results["runs"].values())
@@ -86,7 +86,7 @@ def test_hsdp_2x2_on_four_processes_matches_one_process(reference):
     out = root / "hsdp22"
     done = torchrun(4, "train", *ARGS, "--cache-dir", str(root / "cache"), "--optimizer", "dion3",
                     "--hsdp", "2,2", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, launch_report(done)
     results = json.loads((out / "results.json").read_text())
     assert results["environment"]["parallel"] == "hsdp 2x2" and results["environment"]["processes"] == 4
     _assert_same_curves(one, results["runs"], ["dion3"])
