@@ -129,7 +129,7 @@ def _launch(nproc: int, args: tuple[str, ...], timeout: float) -> subprocess.Com
 def _signal_from_worker(stderr: str) -> str | None:
     """The signal that killed a worker, from the launcher's summary (``exitcode : -6``); None if every
     failed worker exited on its own or was stopped by the launcher (SIGTERM)."""
-    for code in re.findall(r"exitcode\s*:\s*-(\d+)", stderr):
-        if int(code) != signal.SIGTERM:
-            return signal.Signals(int(code)).name
+    for code in map(int, re.findall(r"exitcode\s*:\s*-(\d+)", stderr)):
+        if code != signal.SIGTERM:
+            return signal.Signals(code).name if code in signal.valid_signals() else f"signal {code}"
     return None

@@ -41,6 +41,7 @@ def test_signal_from_worker_reads_the_summary():
     assert harness._signal_from_worker(SUMMARY.format(code="1")) is None  # a Python error
     assert harness._signal_from_worker(SUMMARY.format(code="-15")) is None  # only the launcher's SIGTERM
     assert harness._signal_from_worker("") is None
+    assert harness._signal_from_worker(SUMMARY.format(code="-99")) == "signal 99"  # no name on this system
 
 
 def test_launch_report_keeps_the_workers_output_and_the_root_cause():
