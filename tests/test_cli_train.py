@@ -144,6 +144,33 @@ def test_torchrun_two_processes_match_one(tmp_path):
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_ranks_meet_at_a_barrier_before_tearing_down(tmp_path, monkeypatch, fails):
+    """Under torchrun a finished run waits for every rank before closing the process group; a run
+    that failed goes straight to the teardown (the other ranks may never reach a barrier)."""
+    from orthoptim.cli import train as train_cli
+
+    calls = []
+
+    def compare(*args, **kwargs):
+        calls.append("compare")
+        if fails:
+            raise RuntimeError("a rank failed")
+
+    monkeypatch.setattr(train_cli, "start_distributed", lambda *a: (0, None))
+    monkeypatch.setattr(train_cli, "compare", compare)
+    monkeypatch.setattr(train_cli.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(train_cli.dist, "barrier", lambda: calls.append("barrier"))
+    monkeypatch.setattr(train_cli.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    if fails:
+        with pytest.raises(RuntimeError, match="a rank failed"):
+            _train(tmp_path, "--out", str(tmp_path / "run"))
+        assert calls == ["compare", "destroy"]
+    else:
+        assert _train(tmp_path, "--out", str(tmp_path / "run")) == 0
+        assert calls == ["compare", "barrier", "destroy"]
+
+
 def test_train_on_bin_shards(tmp_path, capsys):
     from orthoptim.train.data import write_shard
 

@@ -361,6 +361,11 @@ def run(args: argparse.Namespace) -> int:
     rank, parallel = start_distributed(cfg, mode, given.get("hsdp"))
     try:
         compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank, parallel=parallel)
+        if dist.is_initialized():
+            # No rank closes its connections while another still has a collective in flight: gloo
+            # aborts a process (SIGABRT) whose peer hangs up mid-transfer. Only on success: after an
+            # error the other ranks may never reach a barrier.
+            dist.barrier()
     except KeyboardInterrupt:
         print(f"\northoptim train: interrupted; continue from the last checkpoint (every {cfg.save_every} steps) "
               f"with: orthoptim train --resume {out_dir}", file=sys.stderr)
