@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from orthoptim import __version__
@@ -61,3 +63,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def console() -> None:
+    """The `orthoptim` program (the console script and ``python -m orthoptim.cli``): ``main`` with the
+    command line, exiting with its status.
+
+    Under torchrun (WORLD_SIZE > 1) the process then ends without the interpreter's teardown, once
+    the output is flushed. By then the run's files are written and the process group is destroyed,
+    but a native thread of torch's distributed runtime can still be joinable while C++ destructors
+    run, and that aborts the process (SIGABRT, "terminate called without an active exception")
+    after a run that succeeded.
+    """
+    try:
+        code = main()
+    except SystemExit as e:  # --help, --version, argparse's errors
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code == 1 and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # reported as the interpreter would, exit status 1
+        traceback.print_exc()
+        code = 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
