@@ -78,9 +78,11 @@ def console() -> None:
     try:
         code = main()
     except SystemExit as e:  # --help, --version, argparse's errors
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if code == 1 and not isinstance(e.code, int):
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:  # sys.exit("message"): printed, status 1, as the interpreter does
             print(e.code, file=sys.stderr)
+            code = 1
     except KeyboardInterrupt:
         code = 130
     except BaseException:  # reported as the interpreter would, exit status 1
