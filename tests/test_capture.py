@@ -199,3 +199,18 @@ def test_bad_capture_options_are_named():
         orthoptim.Muon(_model()[:1], capturable="yes")
     with pytest.raises(ValueError, match="warmup_steps="):
         orthoptim.CapturedStep(orthoptim.Muon(_model()[:1], capturable=True), warmup_steps=0)
+
+
+@pytest.mark.parametrize("shapes", [[(3,), (4,)], [(3,), (3,)], [(1,), (1,)]], ids=["sizes", "same_size", "scalar"])
+def test_a_step_with_other_parameters_having_gradients_flags_those(shapes):
+    """The flags are reused only for the same parameters (by identity, not by value): with a gradient
+    on another parameter the step still runs and check_nonfinite names that parameter."""
+    first, second = (nn.Parameter(torch.zeros(s)) for s in shapes)
+    opt = orthoptim.Dion3([{"params": [first, second], "param_names": ["first", "second"], "algorithm": "lion"}],
+                          lr=0.0, capturable=True)
+    first.grad = torch.ones_like(first)
+    opt.step()
+    first.grad, second.grad = None, torch.full_like(second, float("nan"))
+    opt.step()
+    with pytest.raises(orthoptim.NonFiniteGradientError, match=r"\['second'\]"):
+        opt.check_nonfinite()

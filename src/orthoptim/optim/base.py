@@ -469,7 +469,8 @@ class OrthonormalOptimizer(Optimizer):
         if params:
             bad = ~self._finite(params)
             held = self._nonfinite_flags
-            if held is not None and held[0] == params:
+            # Compared by identity: == on lists of tensors would compare their values elementwise.
+            if held is not None and len(held[0]) == len(params) and all(a is b for a, b in zip(held[0], params)):
                 # The same buffers every step: a captured graph writes the ones check_nonfinite reads,
                 # also when eager steps run in between.
                 held[1].copy_(bad)
