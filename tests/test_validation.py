@@ -149,6 +149,25 @@ CONSTRUCTION_CASES = [
      ValueError, ["nonfinite='ignore'", "'raise'", "'skip'"]),
     ("bad_selection_scope", lambda m: orthoptim.Dion2([named_group(m, "lin.weight")], selection_scope="world"),
      ValueError, ["selection_scope='world'", "'local'", "'global'"]),
+    # A scalar group reads nonfinite too: a typo there must not turn 'raise' into 'skip'.
+    ("bad_nonfinite_adamw_group", lambda m: orthoptim.Dion3([named_group(m, "norm.weight", algorithm="adamw",
+                                                                         nonfinite="rasie")]),
+     ValueError, ["nonfinite='rasie'", "param group 0", "'raise'"]),
+    ("split_sizes_an_int", lambda m: orthoptim.Muon([named_group(m, "lin.weight", split_sizes=6)]),
+     ValueError, ["split_sizes=6", "list or tuple of ints"]),
+    ("split_sizes_a_generator", lambda m: orthoptim.Muon([named_group(m, "lin.weight",
+                                                                      split_sizes=(s for s in (3, 3)))]),
+     ValueError, ["split_sizes=<generator", "list or tuple of ints"]),
+    ("param_names_too_short", lambda m: orthoptim.Muon([{"params": [m.lin.weight, m.out.weight],
+                                                          "param_names": ["lin.weight"]}]),
+     ValueError, ["2 params but 1 param_names", "one name per parameter"]),
+    ("integer_parameter", lambda m: orthoptim.Dion3([named_group(m, "lin.weight"),
+                                                     {"params": [torch.zeros(4, dtype=torch.int32)],
+                                                      "param_names": ["steps"], "algorithm": "adamw"}]),
+     ValueError, ["steps", "torch.int32", "real floating-point"]),
+    ("complex_parameter", lambda m: orthoptim.Muon([{"params": [torch.zeros(4, 4, dtype=torch.complex64)],
+                                                     "param_names": ["phase"]}]),
+     ValueError, ["phase", "torch.complex64", "view_as_real"]),
 ]
 
 
@@ -394,3 +413,15 @@ def test_known_keys_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         orthoptim.Dion3(groups)
+
+
+def test_numpy_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    model = make_model()
+    opt = orthoptim.Dion3([named_group(model, "lin.weight")], lr=np.float32(0.02), fraction=np.float64(0.5))
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_param_groups_override_that_is_not_a_dict_is_named():
+    with raises_naming(ValueError, "overrides['lin.weight']=3", "dict of group options"):
+        orthoptim.param_groups(make_model(), overrides={"lin.weight": 3})

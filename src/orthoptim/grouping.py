@@ -86,6 +86,10 @@ def param_groups(
     if algorithm is not None and algorithm not in (*MATRIX_ALGORITHMS, "adamw", "lion"):
         raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {list(MATRIX_ALGORITHMS)}")
     overrides = dict(overrides or {})
+    for pattern, options in overrides.items():
+        if not isinstance(options, Mapping):
+            raise ValueError(f"overrides[{pattern!r}]={options!r} must be a dict of group options, "
+                             "e.g. {'algorithm': 'adamw'} or {'split_sizes': [512, 128, 128]}")
     kinds = _classify(model)
     groups: dict[tuple, dict[str, Any]] = {}
     used_patterns: set[str] = set()

@@ -221,6 +221,9 @@ class OrthonormalOptimizer(Optimizer):
         named = [(p if isinstance(p, tuple) else (None, p)) for p in raw]
         offset = sum(len(g["params"]) for g in self.param_groups)
         names = param_group.get("param_names") or [None] * len(named)
+        if len(names) != len(named):
+            raise ValueError(f"param group {index} has {len(named)} params but {len(names)} param_names; "
+                             "give one name per parameter, in the same order")
         labels = [name or names[j] or f"param_groups[{index}].params[{j}] (#{offset + j})"
                   for j, (name, _) in enumerate(named)]
         for (_, p), label in zip(named, labels):
@@ -253,6 +256,12 @@ class OrthonormalOptimizer(Optimizer):
     def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):
             return  # torch.optim reports the type error itself
+        if not p.is_floating_point():
+            # Integer parameters have no gradient step; complex ones would need complex-aware norms
+            # and orthogonalization, which no rule here has.
+            hint = " (for complex weights, optimize torch.view_as_real of them)" if p.is_complex() else ""
+            raise ValueError(f"parameter {label} has dtype {p.dtype}; orthoptim optimizes real floating-point "
+                             f"parameters (float16, bfloat16, float32, float64){hint}")
         if group["algorithm"] in MATRIX_ALGORITHMS:
             self._view(p, group, label)
             if not p.is_contiguous():

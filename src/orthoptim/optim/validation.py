@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +24,8 @@ def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     value = group[key]
     if key == "lr" and isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
         value = float(value)  # a tensor learning rate (capturable steps); read once, at construction
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # numbers.Real admits NumPy scalars (np.float32 is no Python float); bools are refused.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{key}={value!r} in {where} must be a finite number")
     return float(value)
 
@@ -49,6 +51,8 @@ def validate_group(group: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"betas={betas!r} in {where} must be a pair (beta1, beta2)")
     for i, b in enumerate(betas):
         _in_range({f"betas[{i}]": b}, f"betas[{i}]", where, 0.0, 1.0, high_open=True)
+    if group["nonfinite"] not in NONFINITE_MODES:
+        raise ValueError(f"nonfinite={group['nonfinite']!r} in {where} must be 'raise' or 'skip'")
     if algorithm in SCALAR_ALGORITHMS:
         return
     _in_range(group, "mu", where, 0.0, 1.0, high_open=True, hint="; the usual value is 0.95")
@@ -63,8 +67,6 @@ def validate_group(group: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"nesterov={group['nesterov']!r} in {where} must be True or False")
     if not isinstance(group["flatten"], bool):
         raise ValueError(f"flatten={group['flatten']!r} in {where} must be True or False")
-    if group["nonfinite"] not in NONFINITE_MODES:
-        raise ValueError(f"nonfinite={group['nonfinite']!r} in {where} must be 'raise' or 'skip'")
     if group["selection_scope"] not in SELECTION_SCOPES:
         raise ValueError(f"selection_scope={group['selection_scope']!r} in {where} must be 'local' or 'global'")
     if group["qr_method"] not in QR_METHODS:
@@ -75,7 +77,9 @@ def validate_group(group: Mapping[str, Any], where: str) -> None:
     if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0):
         raise ValueError(f"num_heads={heads!r} in {where} must be a positive int or None")
     splits = group["split_sizes"]
+    # A list or tuple only: a generator would be used up by this check before the step reads it.
     if splits is not None and (
-        isinstance(splits, (str, bytes)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in splits)
+        not isinstance(splits, (list, tuple)) or not all(isinstance(s, int) and not isinstance(s, bool) for s in splits)
     ):
-        raise ValueError(f"split_sizes={splits!r} in {where} must be a sequence of ints or None")
+        raise ValueError(f"split_sizes={splits!r} in {where} must be a list or tuple of ints (the row counts of "
+                         "the fused blocks, e.g. [d, d, d] for a fused QKV) or None")
