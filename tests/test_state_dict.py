@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
 import orthoptim
+from orthoptim.optim.base import COMMON_DEFAULTS as COMMON
 
 CLASSES = {
     "dion3": orthoptim.Dion3,
@@ -330,3 +332,85 @@ def test_zero_lr_leaves_every_parameter_unchanged(name):
     sched.step()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert any(s["momentum"].any() for s in opt.state.values() if "momentum" in s)
+
+
+# ----------------------------------------------------------------------------- refused checkpoints
+def _state_copy(opt: torch.optim.Optimizer) -> dict:
+    return {k: {kk: vv.clone() for kk, vv in v.items()} for k, v in opt.state_dict()["state"].items()}
+
+
+def _assert_state_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert sorted(a[k]) == sorted(b[k]) and all(torch.equal(a[k][kk], b[k][kk]) for kk in a[k])
+
+
+def _trained(cls, shapes, **options):
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = cls([{"params": params, "param_names": [f"w{i}" for i in range(len(params))], **options}])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize(("options", "saved_shape", "shape", "key"), [
+    ({"algorithm": "adamw"}, (8,), (4096,), "exp_avg"),  # fused AdamW would run on the short buffers
+    ({}, (8, 16), (4, 32), "momentum"),  # same element count: the step would use the wrong layout
+    ({"algorithm": "dion", "rank_fraction": 0.5}, (4, 32), (32, 4), "momentum"),
+], ids=["adamw", "dion3", "dion"])
+def test_state_of_other_shapes_is_refused_naming_the_parameter(options, saved_shape, shape, key):
+    source, _ = _trained(orthoptim.Dion3, [saved_shape], **options)
+    target, _ = _trained(orthoptim.Dion3, [shape], **options)
+    before = _state_copy(target)
+    with pytest.raises(ValueError, match=rf"parameter w0: the loaded state '{key}' has shape"):
+        target.load_state_dict(source.state_dict())
+    _assert_state_equal(before, _state_copy(target))
+
+
+def test_dion_factor_of_another_rank_is_refused_at_load():
+    source, _ = _trained(orthoptim.Dion, [(8, 16)], rank_fraction=0.5)
+    target, _ = _trained(orthoptim.Dion, [(8, 16)], rank_fraction=0.25)
+    saved = source.state_dict()
+    saved["param_groups"][0]["rank_fraction"] = 0.25  # the group says one rank, the saved Q another
+    with pytest.raises(ValueError, match=r"parameter w0: the loaded state 'Q' has shape \(1, 16, 4\)"):
+        target.load_state_dict(saved)
+
+
+def test_a_torch_optimizer_state_dict_is_refused():
+    p = nn.Parameter(torch.randn(8))
+    torch_opt = torch.optim.AdamW([p])
+    p.grad = torch.randn_like(p)
+    torch_opt.step()
+    target, _ = _trained(orthoptim.Dion3, [(8,)], algorithm="adamw")
+    with pytest.raises(ValueError, match=r"no 'algorithm' key.*Dion3\.state_dict\(\)"):
+        target.load_state_dict(torch_opt.state_dict())
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("fraction", 3.0, "fraction=3.0 in param group 0 of the loaded state dict"),
+    ("nonfinite", "whatever", "nonfinite='whatever' in param group 0 of the loaded state dict"),
+    ("num_heads", 3, "num_heads=3 must divide its 8 rows"),
+])
+def test_bad_hyperparameters_in_a_checkpoint_are_refused_before_loading(key, value, fragment):
+    source, _ = _trained(orthoptim.Dion3, [(8, 16)])
+    target, _ = _trained(orthoptim.Dion3, [(8, 16)])
+    saved = source.state_dict()
+    saved["param_groups"][0][key] = value
+    before = _state_copy(target)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        target.load_state_dict(saved)
+    _assert_state_equal(before, _state_copy(target))
+    assert target.param_groups[0][key] == COMMON[key]
+
+
+def test_keys_missing_from_an_older_checkpoint_keep_their_values():
+    source, _ = _trained(orthoptim.Dion3, [(8, 16)], selection_scope="local")
+    target, params = _trained(orthoptim.Dion3, [(8, 16)])
+    saved = source.state_dict()
+    del saved["param_groups"][0]["selection_scope"], saved["param_groups"][0]["qr_method"]
+    target.load_state_dict(saved)
+    assert target.param_groups[0]["selection_scope"] == "local"
+    assert target.param_groups[0]["qr_method"] == "cholesky_qr"
+    params[0].grad = torch.randn_like(params[0])
+    target.step()

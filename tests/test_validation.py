@@ -425,3 +425,14 @@ def test_numpy_scalars_are_numbers():
 def test_param_groups_override_that_is_not_a_dict_is_named():
     with raises_naming(ValueError, "overrides['lin.weight']=3", "dict of group options"):
         orthoptim.param_groups(make_model(), overrides={"lin.weight": 3})
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_a_batch_of_zero_matrices_is_a_no_op(name):
+    """An empty expert batch [0, m, n] (e.g. no experts on this shard): nothing to update, no error."""
+    empty, weight = nn.Parameter(torch.zeros(0, 4, 5)), nn.Parameter(torch.randn(4, 5))
+    opt = CLASSES[name]([empty, weight])
+    empty.grad, weight.grad = torch.zeros_like(empty), torch.randn_like(weight)
+    before = weight.detach().clone()
+    opt.step()
+    assert empty.shape == (0, 4, 5) and not torch.equal(weight, before)

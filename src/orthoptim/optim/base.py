@@ -317,6 +317,11 @@ class OrthonormalOptimizer(Optimizer):
     def _dion_ranks(view: MatrixView, rank_fraction: float) -> list[int]:
         return [max(1, math.ceil(rank_fraction * min(r, c) - 1e-9)) for r, c in view.block_shapes()]
 
+    @classmethod
+    def _dion_q_shape(cls, view: MatrixView, rank_fraction: float) -> tuple[int, int, int]:
+        """Dion's right factors, one [cols, r] per matrix, padded to the largest rank (1 for no matrices)."""
+        return view.num_matrices, view.cols, max(cls._dion_ranks(view, rank_fraction), default=1)
+
     def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
         """Create every state tensor the group's algorithm reads (idempotent, deterministic).
 
@@ -342,8 +347,7 @@ class OrthonormalOptimizer(Optimizer):
                 state[key] = make()
         if algorithm == "dion":
             view = self._view(p, group)
-            ranks = self._dion_ranks(view, group["rank_fraction"])
-            shape = (view.num_matrices, view.cols, max(ranks))
+            shape = self._dion_q_shape(view, group["rank_fraction"])
             if "Q" in state and tuple(state["Q"].shape) != shape:
                 raise ValueError(
                     f"parameter {self.param_name(p)}: Dion right factor Q has shape {tuple(state['Q'].shape)} "
@@ -374,13 +378,62 @@ class OrthonormalOptimizer(Optimizer):
                                   p.device_mesh, placements, shape=torch.Size((view.batch, view.rows)),
                                   stride=(view.rows, 1))
 
+    def _expected_state_shapes(self, p: Tensor, group: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The shape of every state tensor ``_init_state`` would create for ``p`` under ``group``."""
+        algorithm, shape = group["algorithm"], tuple(p.shape)
+        if algorithm == "adamw":
+            return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
+        if algorithm == "lion":
+            return {"exp_avg": shape}
+        view = self._view(p, group)
+        expected = {"momentum": shape}
+        if algorithm in ("normuon", "dion3"):
+            expected["variance"] = (view.batch, view.rows)
+        if algorithm == "dion":
+            expected["Q"] = self._dion_q_shape(view, group["rank_fraction"])
+        return expected
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a state dict that would make a later step fail or silently use state of another shape:
+        checked before anything is loaded, so a refused one leaves this optimizer as it was."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups) or any(
+                len(g.get("params", ())) != len(mine["params"]) for g, mine in zip(saved_groups, self.param_groups)):
+            return  # torch.optim's own checks name these mismatches
+        saved_state = state_dict.get("state", {})
+        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
+            where = f"param group {index} of the loaded state dict"
+            if "algorithm" not in saved:
+                raise ValueError(f"{where} has no 'algorithm' key, so it was not saved by an orthoptim optimizer; "
+                                 f"load a state dict saved by {type(self).__name__}.state_dict()")
+            merged = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+            validate_group(merged, where)
+            for i, p in zip(saved["params"], mine["params"]):
+                label = self.param_name(p)
+                self._check_param(p, merged, label)
+                state = saved_state.get(i, {})
+                for key, shape in self._expected_state_shapes(p, merged).items():
+                    value = state.get(key)
+                    if isinstance(value, Tensor) and tuple(value.shape) != shape and not (key == "step" and
+                                                                                          value.numel() == 1):
+                        raise ValueError(
+                            f"parameter {label}: the loaded state {key!r} has shape {tuple(value.shape)} but "
+                            f"{merged['algorithm']} needs {shape} for this parameter of shape {tuple(p.shape)}; "
+                            "the state dict was saved for other parameters (or other group options) than "
+                            "this optimizer's, in this order")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_loadable(state_dict)
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
         # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         saved = state_dict["state"]
+        before = [dict(g) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, old in zip(self.param_groups, before):
+            for key, value in old.items():  # keys a state dict of an older version lacks keep their values
+                group.setdefault(key, value)
         for i, p in zip(ids, params):
             variance = saved.get(i, {}).get("variance")
             if variance is not None:
