@@ -427,6 +427,35 @@ def test_param_groups_override_that_is_not_a_dict_is_named():
         orthoptim.param_groups(make_model(), overrides={"lin.weight": 3})
 
 
+# ----------------------------------------------------------------------------- a user's orthogonalizer
+@pytest.mark.parametrize("name", ["dion3", "dion2", "muon", "normuon"])
+@pytest.mark.parametrize(("orthogonalizer", "fragments"), [
+    (lambda u: u[..., :1, :], ["returned (1, 1, 8)", "batch of shape (1, 6, 8)", "same shape"]),
+    (lambda u: torch.full_like(u, float("nan")), ["non-finite values", "finite batch"]),
+    (lambda u: u.tolist(), ["returned list"]),
+], ids=["broadcastable_shape", "nan", "not_a_tensor"])
+def test_orthogonalizer_output_is_checked_and_named(name, orthogonalizer, fragments):
+    """A wrong shape would broadcast into every row and NaNs would reach the weights, both silently."""
+    model = make_model()
+    opt = CLASSES[name]([named_group(model, "lin.weight", orthogonalizer=orthogonalizer, fraction=1.0)])
+    set_grads(model, 0)
+    before = model.lin.weight.detach().clone()
+    with raises_naming(ValueError, "orthogonalizer", "lin.weight", "stopped partway", *fragments):
+        opt.step()
+    assert torch.equal(model.lin.weight, before)  # the failing batch never reached the parameters
+
+
+def test_a_correct_orthogonalizer_callable_passes_the_checks():
+    model = make_model()
+    def exact(u):  # a user's function (this module's), so its output is checked
+        return orthoptim.orthogonalize.svd_polar(u)
+
+    opt = orthoptim.Dion3([named_group(model, "lin.weight", orthogonalizer=exact)])
+    set_grads(model, 0)
+    opt.step()
+    assert torch.isfinite(model.lin.weight).all()
+
+
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_a_batch_of_zero_matrices_is_a_no_op(name):
     """An empty expert batch [0, m, n] (e.g. no experts on this shard): nothing to update, no error."""

@@ -87,6 +87,7 @@ class _Matrix:
     layout: str  # see OrthonormalOptimizer._layout
     full_shape: tuple[int, int]  # the whole matrix's shape (differs from param.shape when row-sharded)
     sharding: FactorSharding | None = None  # Dion's split of a sharded matrix ("factor_sharded")
+    name: str = ""  # the parameter's, for errors
 
 
 def _local(t: Tensor) -> Tensor:
@@ -158,6 +159,14 @@ class _RowShardedPlan:
 def _row_state_dtype(p: Tensor) -> torch.dtype:
     """The per-row variance is an EMA of small numbers: at least fp32, whatever the parameter's dtype."""
     return torch.promote_types(p.dtype, torch.float32)
+
+
+def _ours(fn: Callable[..., Any]) -> bool:
+    """Whether a callable (or the function a partial wraps) is this library's own, e.g. ``svd_polar``:
+    those are trusted, so their outputs are not read back on the host (it would stall a GPU step)."""
+    while isinstance(fn, partial):
+        fn = fn.func
+    return getattr(fn, "__module__", "").split(".")[0] == "orthoptim"
 
 
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
@@ -600,6 +609,27 @@ class OrthonormalOptimizer(Optimizer):
     def _orthogonalizer(group: dict[str, Any]) -> Orthogonalizer:
         return get_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[group["algorithm"]])
 
+    def _checked(self, fn: Orthogonalizer, names: list[str]) -> Orthogonalizer:
+        """A user's orthogonalizer, its output checked: a wrong shape would broadcast into the update and
+        NaNs would reach the parameters, both silently. (Non-finite output is checked with a host read,
+        so not in capturable steps.)"""
+        def run(u: Tensor) -> Tensor:
+            out = fn(u)
+            problem = None
+            if not isinstance(out, Tensor) or out.shape != u.shape:
+                got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+                problem = f"returned {got} for a batch of shape {tuple(u.shape)}; it must return the same shape"
+            elif not self.capturable and not bool(torch.isfinite(out).all()):
+                problem = "returned non-finite values (NaN or Inf) for a finite batch" if bool(
+                    torch.isfinite(u).all()) else "was given a non-finite batch (the momentum holds NaN or Inf)"
+            if problem is not None:
+                raise ValueError(
+                    f"orthogonalizer {fn!r} {problem} (parameters {names}). This step stopped partway: "
+                    "state updated before this point (momenta, earlier groups) has changed; restore the "
+                    "optimizer from a checkpoint after fixing it")
+            return out
+        return run
+
     def _share(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """Distributed: each rank computes its share of a batch function and all-gathers the rest."""
         if self._process_group is None:
@@ -673,7 +703,7 @@ class OrthonormalOptimizer(Optimizer):
                 rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
                 shape = (spec.local_rows, spec.local_cols)
                 matrices.append(_Matrix(x.view(shape), grad.view(shape), m.view(shape), state["Q"][0, :, :rank], rank,
-                                        layout, (p.shape[0], math.prod(p.shape[1:])), spec))
+                                        layout, (p.shape[0], math.prod(p.shape[1:])), spec, self.param_name(p)))
                 continue
             if layout == "row_sharded":
                 # One local row block of the full matrix; blocks (heads, splits) are rejected up front.
@@ -688,11 +718,12 @@ class OrthonormalOptimizer(Optimizer):
                 if algorithm in ("normuon", "dion3"):
                     extra = _local(state["variance"]).view(-1)
                 matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
-                                        layout, (full_rows, cols)))
+                                        layout, (full_rows, cols), name=self.param_name(p)))
                 continue
             if layout == "column_sharded":  # one 2-D block of columns (a rank may hold none)
                 extra = _local(state["variance"]).view(-1) if algorithm == "dion3" else None
-                matrices.append(_Matrix(x, grad, m, extra, 0, layout, (p.shape[0], p.shape[1])))
+                matrices.append(_Matrix(x, grad, m, extra, 0, layout, (p.shape[0], p.shape[1]),
+                                        name=self.param_name(p)))
                 continue
             # "local" shards hold whole matrices of a 3-D batch: the layout of their local shape.
             view = self._view(p, group, shape=tuple(x.shape) if layout == "local" else None)
@@ -706,7 +737,7 @@ class OrthonormalOptimizer(Optimizer):
             else:
                 extra = [None] * view.num_matrices
             for xv, gv, mv, e, r in zip(view.matrices(x), view.matrices(grad), view.matrices(m), extra, ranks):
-                matrices.append(_Matrix(xv, gv, mv, e, r, layout, tuple(xv.shape)))
+                matrices.append(_Matrix(xv, gv, mv, e, r, layout, tuple(xv.shape), name=self.param_name(p)))
 
         lr, wd = group["lr"], group["weight_decay"]
         # Keyed by the full shape, so every rank forms the same batches in the same order.
@@ -721,6 +752,8 @@ class OrthonormalOptimizer(Optimizer):
             layout, (rows, cols) = batch[0].layout, batch[0].full_shape
             common = {"lr": lr, "weight_decay_rate": wd, "scale": rules.lr_scale(rows, cols, group["adjust_lr"])}
             orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
+            if orthogonalize is not None and callable(group["orthogonalizer"]) and not _ours(group["orthogonalizer"]):
+                orthogonalize = self._checked(orthogonalize, list(dict.fromkeys(m.name for m in batch)))
             finish = None
             select = None
             # Nothing communicated: the iteration's last product can write into the parameters.
