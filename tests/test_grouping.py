@@ -352,3 +352,36 @@ def test_small_model_learns(name):
         final = F.cross_entropy(model(x), y).item()
     assert math.isfinite(final)
     assert final < MARGINS[name] * initial, f"{name}: loss {initial:.4f} → {final:.4f}"
+
+
+@pytest.mark.parametrize("head_name", ["head", "proj_out"])
+def test_head_is_found_when_an_mlp_is_as_wide_as_the_vocabulary(head_name):
+    """vocab 4·D: the MLP's hidden width equals the vocabulary, so every vocabulary-sized output is
+    also read by a Linear. The head is still found: by its name, or as the model's last Linear."""
+
+    class WideMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(4 * D, D)
+            self.fc = nn.Linear(D, 4 * D)
+            self.down = nn.Linear(4 * D, D)
+            self.add_module(head_name, nn.Linear(D, 4 * D, bias=False))
+
+    model = make(WideMLP)
+    head = getattr(model, head_name)
+    groups = orthoptim.param_groups(model)
+    assert group_of(groups, head.weight)["algorithm"] == "adamw"
+    assert "algorithm" not in group_of(groups, model.fc.weight)
+
+
+def test_a_hidden_layer_as_wide_as_the_vocabulary_before_a_small_head_stays_a_matrix():
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(4 * D, D)
+            self.fc = nn.Linear(D, 4 * D)
+            self.down = nn.Linear(4 * D, D)
+            self.classify = nn.Linear(D, 3)
+
+    model = make(Classifier)
+    assert "algorithm" not in group_of(orthoptim.param_groups(model), model.fc.weight)

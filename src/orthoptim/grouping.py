@@ -23,6 +23,28 @@ _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
+# Names under which models register their output head (the last part of the module's name).
+_HEAD_NAMES = {"head", "lm_head", "output", "output_head", "out_head", "unembed", "unembedding", "decoder",
+               "classifier", "logits"}
+
+
+def _output_head(model: nn.Module, vocab_sizes: set[int]) -> int | None:
+    """id of the output head's weight: an nn.Linear producing one score per entry of an embedding's
+    vocabulary. Of those, the last one whose outputs no nn.Linear reads (wider ones are hidden
+    activations); when an MLP is as wide as the vocabulary (every such size is read), the last one
+    named like a head, else the model's last nn.Linear if it is one of them."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    candidates = [(name, m) for name, m in linears if m.out_features in vocab_sizes]
+    if not candidates:
+        return None
+    read_sizes = {m.in_features for _, m in linears}
+    unread = [m for _, m in candidates if m.out_features not in read_sizes]
+    named = [m for name, m in candidates if name.rsplit(".", 1)[-1] in _HEAD_NAMES]
+    last = [linears[-1][1]] if linears[-1][1] is candidates[-1][1] else []
+    chosen = unread or named or last
+    return id(chosen[-1].weight) if chosen else None
+
+
 def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
     """id(param) → (kind, reason) for every trainable parameter, kind in matrix/conv/scalar."""
     embeddings: dict[int, str] = {}
@@ -31,14 +53,7 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
         if isinstance(module, _EMBEDDING_TYPES):
             embeddings[id(module.weight)] = mname or "<root>"
             vocab_sizes.add(module.num_embeddings)
-    # The output head: the last nn.Linear whose output size is an embedding's vocabulary size, unless
-    # some nn.Linear reads vectors of that size (then such outputs are hidden activations, not scores).
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    read_sizes = {m.in_features for m in linears}
-    head_id = None
-    for module in linears:
-        if module.out_features in vocab_sizes and module.out_features not in read_sizes:
-            head_id = id(module.weight)
+    head_id = _output_head(model, vocab_sizes)
     kinds: dict[int, tuple[str, str]] = {}
     for _mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
