@@ -163,6 +163,16 @@ def test_named_algorithm_and_scalar_options():
     assert lrs["emb.weight"] == 3e-4 and lrs["blocks.0.fc.weight"] == 0.02
 
 
+def test_scalar_weight_decay_applies_to_the_scalar_groups_only():
+    model = make()
+    opt = orthoptim.Dion3(orthoptim.param_groups(model, scalar_weight_decay=0.0), weight_decay=0.1)
+    decay = {n: g["weight_decay"] for g in opt.param_groups for n in g["param_names"]}
+    assert decay["emb.weight"] == decay["head.weight"] == decay["norm.bias"] == decay["blocks.0.fc.bias"] == 0.0
+    assert decay["blocks.0.fc.weight"] == decay["experts"] == 0.1
+    inherited = orthoptim.Dion3(orthoptim.param_groups(model), weight_decay=0.1)
+    assert {g["weight_decay"] for g in inherited.param_groups} == {0.1}
+
+
 def test_conv_weights_are_flattened_and_trainable():
     model = make(ConvNet)
     groups = orthoptim.param_groups(model)

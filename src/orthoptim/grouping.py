@@ -81,6 +81,7 @@ def param_groups(
     algorithm: str | None = None,
     scalar_algorithm: str = "adamw",
     scalar_lr: float | None = None,
+    scalar_weight_decay: float | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into optimizer groups.
@@ -88,7 +89,9 @@ def param_groups(
     - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
       (or ``algorithm`` when given); conv weights → the same rule with ``flatten=True``;
     - embeddings, the output head (tied or not), biases, norms → ``scalar_algorithm`` ("adamw" or
-      "lion"), with ``lr=scalar_lr`` when given;
+      "lion"), with ``lr=scalar_lr`` and ``weight_decay=scalar_weight_decay`` when given; otherwise
+      they take the optimizer's ``lr`` and ``weight_decay`` like every group (pass
+      ``scalar_weight_decay=0.0`` for the common choice of no decay on embeddings, norms and biases);
     - ``overrides`` maps name patterns (``fnmatch``, e.g. ``"*.qkv.weight"``) to group options
       (``{"split_sizes": [512, 128, 128]}``, ``{"algorithm": "adamw"}``…); the first matching
       pattern wins and its options are applied on top.
@@ -119,6 +122,8 @@ def param_groups(
             options["algorithm"] = scalar_algorithm
             if scalar_lr is not None:
                 options["lr"] = scalar_lr
+            if scalar_weight_decay is not None:
+                options["weight_decay"] = scalar_weight_decay
         else:
             if algorithm is not None:
                 options["algorithm"] = algorithm

@@ -189,10 +189,7 @@ def build_optimizer(name: str, model: nn.Module, cfg: TrainConfig,
     its ``outer_shard_mesh``).
     """
     lr = cfg.lr_for(name)
-    groups = orthoptim.param_groups(model, scalar_lr=cfg.scalar_lr_value())
-    for g in groups:
-        if g.get("algorithm") == "adamw":
-            g["weight_decay"] = 0.0
+    groups = orthoptim.param_groups(model, scalar_lr=cfg.scalar_lr_value(), scalar_weight_decay=0.0)
     if name == "adamw":
         plain = [{"params": g["params"], "weight_decay": g.get("weight_decay", cfg.weight_decay)} for g in groups]
         return torch.optim.AdamW(plain, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, foreach=True)
