@@ -104,6 +104,15 @@ def test_bad_data_fails_with_one_line(tmp_path, capsys):
     assert err == f"orthoptim train: error: --data {tmp_path / 'missing.txt'}: no such file or folder"
 
 
+def test_diverging_run_fails_with_this_commands_advice(tmp_path, capsys):
+    """The library's error names its own option (nonfinite='skip'), which this command does not have."""
+    assert _train(tmp_path, "--optimizer", "dion3", "--steps", "3", "--lr", "1e30", "--scalar-lr", "1e30",
+                  "--no-plot", "--out", str(tmp_path / "run")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("orthoptim train: error: dion3: parameter ") and "non-finite gradient" in err, err
+    assert err.endswith("Lower --lr or --scalar-lr, or set --clip") and "nonfinite" not in err, err
+
+
 def test_resume_refuses_changes(tmp_path, capsys):
     out = tmp_path / "run"
     assert _train(tmp_path, "--steps", "2", "--out", str(out), "--no-plot") == 0

@@ -395,3 +395,13 @@ def test_a_hidden_layer_as_wide_as_the_vocabulary_before_a_small_head_stays_a_ma
 
     model = make(Classifier)
     assert "algorithm" not in group_of(orthoptim.param_groups(model), model.fc.weight)
+
+
+def test_explain_names_each_block_size_and_dion_rank():
+    """Fused blocks of two sizes: the view counts each size, and Dion shows the rank of each."""
+    qkv = nn.Linear(D, 2 * D + D // 2, bias=False)  # q, k of D rows, v of D/2 rows
+    opt = orthoptim.Dion([{"params": [qkv.weight], "param_names": ["qkv.weight"],
+                           "split_sizes": [D, D, D // 2]}], rank_fraction=0.5)
+    row = re.split(r"\s{2,}", orthoptim.explain(opt).splitlines()[2].strip())
+    assert row[2] == f"dion r={D // 4},{D // 2}"
+    assert row[3] == f"1 × [{D // 2}, {D}] + 2 × [{D}, {D}]"

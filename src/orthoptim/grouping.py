@@ -102,7 +102,7 @@ def param_groups(
     if scalar_algorithm not in ("adamw", "lion"):
         raise ValueError(f"scalar_algorithm={scalar_algorithm!r} must be 'adamw' or 'lion'")
     if algorithm is not None and algorithm not in (*MATRIX_ALGORITHMS, "adamw", "lion"):
-        raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {list(MATRIX_ALGORITHMS)}")
+        raise ValueError(f"algorithm={algorithm!r} is unknown; use one of {[*MATRIX_ALGORITHMS, 'adamw', 'lion']}")
     overrides = dict(overrides or {})
     for pattern, options in overrides.items():
         if not isinstance(options, Mapping):
@@ -183,8 +183,9 @@ def explain(optimizer: torch.optim.Optimizer) -> str:
                 if algorithm in ("dion3", "dion2"):
                     rule += f" f={group['fraction']:g}"
                 elif algorithm == "dion":
-                    rank = max(1, math.ceil(group["rank_fraction"] * min(view.block_shapes()[0]) - 1e-9))
-                    rule += f" r={rank}"
+                    ranks = sorted({max(1, math.ceil(group["rank_fraction"] * min(shape) - 1e-9))
+                                    for shape in view.block_shapes()})
+                    rule += f" r={','.join(map(str, ranks))}"
             else:
                 lr_text, view_text, rule = f"{group['lr']:.3g}", "-", algorithm
             rows.append((name, str(list(p.shape)), rule, view_text, lr_text, f"{group.get('weight_decay', 0):g}",

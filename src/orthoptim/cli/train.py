@@ -160,7 +160,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     which.add_argument("--compare", type=_optimizer_list, dest="optimizers", metavar="A,B,...",
                        help="train with each of these optimizers in turn, same seed and batches, e.g. dion3,muon,adamw")
     what.add_argument("--preset", choices=sorted(PRESETS),
-                      help="a starting configuration: 'cpu' (the defaults shown here), 'gpu' (10 M parameters, "
+                      help="a starting configuration: 'cpu' (the defaults shown here), 'gpu' (10.8 M parameters, "
                            "context 256), 'gpt2-124m' (GPT-2 small shapes; use with --data); other options override it")
     what.add_argument("--out", metavar="DIR",
                       help="output folder (default: runs/train-YYYYmmdd-HHMMSS in the current folder)")
@@ -429,7 +429,10 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
         try:
             runs[name] = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress, parallel=parallel)
         except FloatingPointError as e:
-            raise CommandError(str(e)) from None
+            # The library's advice names its own option; this command's are --lr and --clip.
+            message = str(e).replace("or pass nonfinite='skip' to skip such updates", "") \
+                .replace("Lower the learning rate, clip gradients, ", "Lower --lr or --scalar-lr, or set --clip")
+            raise CommandError(f"{name}: {message.rstrip(' ,')}") from None
         if rank == 0:
             write_results(out_dir, header, runs, started)
     if rank != 0:

@@ -42,9 +42,13 @@ class MatrixView:
         return [(size, self.cols) for _ in range(self.batch) for _, size in self.blocks]
 
     def describe(self) -> str:
-        sizes = sorted({size for _, size in self.blocks})
-        shape = " | ".join(f"[{s}, {self.cols}]" for s in sizes)
-        return f"{self.num_matrices} × {shape}" if self.num_matrices > 1 else shape
+        """``[m, n]``, ``4 × [m, n]``, or per block size: ``8 × [8, 64] + 4 × [16, 64]``."""
+        counts: dict[int, int] = {}
+        for _, size in self.blocks:
+            counts[size] = counts.get(size, 0) + self.batch
+        if self.num_matrices == 1:
+            return f"[{self.blocks[0][1]}, {self.cols}]"
+        return " + ".join(f"{n} × [{size}, {self.cols}]" for size, n in sorted(counts.items()))
 
 
 def matrix_view(
