@@ -164,9 +164,11 @@ def test_tensor_learning_rate_is_accepted_and_checked():
         orthoptim.Dion3(params[:3], lr=torch.tensor([0.1]))  # one element, but not a 0-dim tensor
 
 
-def test_groups_inheriting_a_tensor_lr_get_their_own_copy():
+@pytest.mark.parametrize("capturable", [True, False])
+def test_groups_inheriting_a_tensor_lr_get_their_own_copy(capturable):
     params = _model()
-    opt = orthoptim.Muon([{"params": params[:2]}, {"params": params[2:3]}], lr=torch.tensor(0.02), capturable=True)
+    opt = orthoptim.Muon([{"params": params[:2]}, {"params": params[2:3]}], lr=torch.tensor(0.02),
+                         capturable=capturable)
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, [lambda t: 1.0, lambda t: 0.1])
     opt.step()  # no gradients: nothing moves, but the scheduler sees the usual order
     schedule.step()

@@ -241,6 +241,10 @@ class OrthonormalOptimizer(Optimizer):
         group = self.param_groups[-1]
         if self.capturable:
             self._lr_to_tensor(group, index)
+        elif "lr" not in param_group and isinstance(group["lr"], Tensor):
+            # An inherited tensor lr is copied: schedulers fill each group's lr in place, and groups
+            # sharing one tensor would all take the last group's value.
+            group["lr"] = group["lr"].detach().clone()
         for j, (p, label) in enumerate(zip(group["params"], labels)):
             self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
