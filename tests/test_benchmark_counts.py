@@ -252,3 +252,32 @@ def test_ladder_on_a_bf16_cpu_adds_fp32_twins_and_pools_rounds(tmp_path, monkeyp
     assert len(rows["muon"]["times_ms"]) == 4 and rows["muon"]["median_ms"] == pytest.approx(
         statistics.median(rows["muon"]["times_ms"]))
     assert results["rounds"] == 2 and results["environment"]["orthoptim_cpu_dtype"] == "bfloat16 -> bfloat16"
+
+
+def _step_phases():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_phases.py"
+    spec = importlib.util.spec_from_file_location("step_phases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("dion3", {"momentum M ← μM + G", "row L1 norms + top-k", "normalize + decay + update (Dion3)",
+               "non-finite check", "orthogonalize [4, 8, 32]"}),
+    ("muon", {"momentum + stack (Muon)", "last product + decay + update (Muon)", "orthogonalize [1, 32, 128]"}),
+])
+def test_step_phases_times_the_phases_and_restores_the_functions(tmp_path, capsys, name, expected):
+    phases = _step_phases()
+    originals = [owner.__dict__.get(fn) for owner, fn, _ in phases.PHASES]
+    out = tmp_path / "phases.json"
+    assert phases.main(["--optimizer", name, "--set", "d32x1", "--warmup", "1", "--repeats", "2",
+                        "--json", str(out)]) == 0
+    assert "| phase | median ms | share of step |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = {r["phase"]: r for r in result["phases"]}
+    assert expected <= set(rows), sorted(rows)
+    # Outermost phases only (decay_ inside Muon's update is not counted twice): they fit in the step.
+    timed = sum(r["median_ms"] for p, r in rows.items() if not p.startswith("not in"))
+    assert 0 < timed <= 1.05 * max(result["step_ms"])
+    assert [owner.__dict__.get(fn) for owner, fn, _ in phases.PHASES] == originals
