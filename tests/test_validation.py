@@ -465,3 +465,31 @@ def test_a_batch_of_zero_matrices_is_a_no_op(name):
     before = weight.detach().clone()
     opt.step()
     assert empty.shape == (0, 4, 5) and not torch.equal(weight, before)
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("lr", float("inf"), "lr=inf in param group 1 (at step time)"),
+    ("fraction", 2.0, "fraction=2.0 in param group 1 (at step time)"),
+    ("muon_beta2", 1.5, "muon_beta2=1.5 in param group 1 (at step time)"),
+    ("nonfinite", "rasie", "nonfinite='rasie' in param group 1 (at step time)"),
+])
+def test_options_changed_between_steps_are_checked_before_the_step(key, value, fragment):
+    """A schedule or a hand edit that sets a bad value is refused before anything moves."""
+    model, opt = live_optimizer()
+    assert opt.param_groups[1]["algorithm"] == "dion3"
+    opt.param_groups[1][key] = value
+    set_grads(model, 1)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, fragment):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
+def test_a_fraction_schedule_between_steps_is_followed():
+    model, opt = live_optimizer("dion3", weight_decay=0.0)
+    for fraction, rows in ((1.0, 6), (0.5, 3), (0.25, 2)):  # lin.weight has 6 rows: ceil(f·6) move
+        opt.param_groups[1]["fraction"] = fraction
+        before = model.lin.weight.detach().clone()
+        set_grads(model, 0)
+        opt.step()
+        assert int((model.lin.weight != before).any(dim=1).sum()) == rows, fraction

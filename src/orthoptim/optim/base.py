@@ -460,12 +460,19 @@ class OrthonormalOptimizer(Optimizer):
     # ----------------------------------------------------------------------------- the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Perform one optimization step. Checks every gradient first; on a non-finite gradient
-        either raises (no parameter or state changed) or skips that parameter, per ``nonfinite``."""
+        """Perform one optimization step. Checks every group's options and every gradient first; on a
+        bad option it raises, on a non-finite gradient it raises or skips that parameter, per
+        ``nonfinite``; either way before any parameter or state has changed."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for index, group in enumerate(self.param_groups):
+            # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
+            # lr or a fraction above 1 is refused here rather than half-way through the step. A tensor
+            # lr is not read (that would sync with its device); it was checked when it was set.
+            options = {**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group
+            validate_group(options, f"param group {index} (at step time)")
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         work = self._flag_nonfinite(work) if self.capturable else self._drop_nonfinite(work)
         if self._replicate_group is not None:
