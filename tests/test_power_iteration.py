@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import orthoptim
 from orthoptim.orthogonalize import normalize_columns, orthonormalize_columns, power_iteration
 
 # ---------------------------------------------------------------------------------------------
@@ -250,3 +251,26 @@ def test_normalize_columns(dtype):
     r64 = r.to(torch.float64)
     cos = (q.to(torch.float64) * r64).sum(-2) / (norms * torch.linalg.vector_norm(r64, dim=-2)).clamp_min(1e-30)
     assert (cos - expected).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_normalize_columns_keeps_zero_columns_zero_in_every_dtype(dtype):
+    """In fp16 an eps of 1e-8 rounds to 0: computed in fp16, a zero column became 0/0 = NaN."""
+    r = torch.randn(2, 6, 3, dtype=torch.float64)
+    r[0, :, 1] = 0
+    q = normalize_columns(r.to(dtype), 1e-8)
+    assert q.dtype == dtype and torch.isfinite(q).all()
+    assert torch.equal(q[0, :, 1], torch.zeros(6, dtype=dtype))
+    expected = r / (r.norm(dim=-2, keepdim=True) + 1e-8)
+    torch.testing.assert_close(q.double(), expected, rtol=2 * torch.finfo(dtype).eps, atol=0)
+
+
+def test_dion_with_fp16_parameters_survives_a_zero_gradient():
+    p = torch.nn.Parameter(torch.randn(16, 8).half())
+    opt = orthoptim.Dion([p], lr=0.01, rank_fraction=0.5)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.isfinite(opt.state[p]["Q"]).all() and torch.isfinite(p).all()
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert torch.isfinite(p).all()

@@ -66,5 +66,11 @@ def power_iteration(b: Tensor, q: Tensor, method: str = "cholesky_qr") -> tuple[
 
 
 def normalize_columns(r: Tensor, eps: float) -> Tensor:
-    """R / ‖R‖ per column (ε-guarded), the next step's right factor Q."""
-    return r / (torch.linalg.vector_norm(r, dim=-2, keepdim=True) + eps)
+    """R / ‖R‖ per column (ε-guarded), the next step's right factor Q, in R's dtype.
+
+    Computed in fp32 at least: in fp16 an ε of 1e-8 rounds to 0, and a zero column (a zero
+    gradient, or B of rank below r) would turn into 0/0 = NaN.
+    """
+    acc = torch.promote_types(r.dtype, torch.float32)
+    norms = torch.linalg.vector_norm(r, dim=-2, keepdim=True, dtype=acc)
+    return (r.to(acc) / (norms + eps)).to(r.dtype)
