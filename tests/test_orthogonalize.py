@@ -491,3 +491,17 @@ def test_get_orthogonalizer_passes_callables_through():
     assert get_orthogonalizer(exact) is exact
     fn = partial(newton_schulz, coefficients=CUSTOM)
     assert get_orthogonalizer(fn) is fn
+
+
+def test_svd_polar_keeps_the_null_space_at_zero():
+    """The SVD gives an arbitrary basis for a zero singular value: the reference must map it to 0, as
+    Newton-Schulz does, or a zero gradient would move the weights by a full orthogonal step."""
+    from orthoptim.orthogonalize import svd_polar
+
+    assert torch.equal(svd_polar(torch.zeros(2, 4, 6)), torch.zeros(2, 4, 6))
+    u, v = torch.randn(5, 1, dtype=torch.float64), torch.randn(1, 7, dtype=torch.float64)
+    rank1 = svd_polar(u @ v)
+    torch.testing.assert_close(rank1, (u / u.norm()) @ (v / v.norm()), rtol=0, atol=1e-12)
+    full = torch.randn(3, 5, 7, dtype=torch.float64)
+    uf, _, vhf = torch.linalg.svd(full, full_matrices=False)
+    torch.testing.assert_close(svd_polar(full), uf @ vhf, rtol=0, atol=1e-12)

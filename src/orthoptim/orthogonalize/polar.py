@@ -7,9 +7,15 @@ from torch import Tensor
 
 
 def svd_polar(x: Tensor) -> Tensor:
-    """U Vᵀ of every matrix in ``x`` ([..., k, n]), computed in float64; returns ``x.dtype``.
+    """U Vᵀ of every matrix in ``x`` ([..., k, n]) over its nonzero singular values, computed in
+    float64; returns ``x.dtype``.
 
+    Singular values at round-off level (≤ max(k, n)·ε·σ_max) count as zero: their singular
+    vectors are an arbitrary basis of the null space, and Newton-Schulz maps them to 0 too. So a
+    zero matrix gives 0, not an arbitrary orthogonal matrix, and a rank-r input a rank-r factor.
     Exact but slow: use it as ``orthogonalizer=svd_polar`` in tests, or as a quality reference.
     """
-    u, _, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)
-    return (u @ vh).to(x.dtype)
+    u, s, vh = torch.linalg.svd(x.to(torch.float64), full_matrices=False)
+    tol = max(x.shape[-2:], default=1) * torch.finfo(torch.float64).eps * s[..., :1]
+    keep = (s > tol).to(torch.float64)
+    return ((u * keep.unsqueeze(-2)) @ vh).to(x.dtype)
