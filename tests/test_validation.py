@@ -493,3 +493,44 @@ def test_a_fraction_schedule_between_steps_is_followed():
         set_grads(model, 0)
         opt.step()
         assert int((model.lin.weight != before).any(dim=1).sum()) == rows, fraction
+
+
+# ----------------------------------------------------------------------------- fp16 momentum overflow
+def _fp16_step(name: str, grads: list[float], **options):
+    """A float16 matrix stepped with constant gradients; returns the parameter and the optimizer."""
+    p = nn.Parameter(torch.full((4, 8), 0.1, dtype=torch.float16))
+    opt = CLASSES[name]([{"params": [p], "param_names": ["w16"]}], lr=0.01, **options)
+    for value in grads[:-1]:
+        p.grad = torch.full_like(p, value)
+        opt.step()
+    p.grad = torch.full_like(p, grads[-1])
+    return p, opt
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_fp16_momentum_overflow_is_refused_before_the_step(name):
+    """Finite gradients of 4e4: M + G (or, for Dion, B Q) exceeds fp16's 65504 on the second step,
+    which turned every weight into NaN without an error."""
+    grads = [1.0, 4e4] if name == "dion" else [4e4, 4e4]
+    p, opt = _fp16_step(name, grads)
+    before = (p.detach().clone(), _clone(opt.state_dict()))
+    with raises_naming(orthoptim.NonFiniteGradientError, "w16", "overflow float16", "no parameter or state"):
+        opt.step()
+    assert torch.equal(p, before[0])
+    _assert_equal(before[1], opt.state_dict())
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_fp16_momentum_overflow_is_skipped_with_a_warning(name):
+    p, opt = _fp16_step(name, [1.0, 4e4] if name == "dion" else [4e4, 4e4], nonfinite="skip")
+    before = p.detach().clone()
+    with pytest.warns(UserWarning, match="w16.*overflow float16"):
+        opt.step()
+    assert torch.equal(p, before) and torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_fp16_momentum_that_fits_steps_normally(name):
+    p, opt = _fp16_step(name, [100.0, 100.0, 100.0])
+    opt.step()
+    assert torch.isfinite(p).all()

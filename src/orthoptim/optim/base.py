@@ -501,8 +501,10 @@ class OrthonormalOptimizer(Optimizer):
             flat /= world
             torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
 
-    def _finite(self, params: list[Tensor]) -> Tensor:
-        """One bool per parameter, on the device: is its gradient finite on every rank?"""
+    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]]) -> tuple[Tensor, Tensor]:
+        """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
+        on by every rank: is its gradient finite, and does this step's momentum fit its dtype (see
+        ``_momentum_fits``)?"""
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"parameter {self.param_name(p)} has a sparse gradient; orthoptim needs dense ones")
@@ -535,21 +537,53 @@ class OrthonormalOptimizer(Optimizer):
             if not bool(finite.all()):
                 suspects = (~finite).nonzero().flatten().tolist()
                 finite[suspects] = extremes_finite([grads[i] for i in suspects])
+        fits = self._momentum_fits(params, groups, device)
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
         # diverge (and hang in the next collective).
         for group in self._verdict_groups(params):
-            bad_anywhere = (~finite).to(torch.int32)
+            bad_anywhere = torch.stack([~finite, ~fits]).to(torch.int32)
             dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=group)
             if self.comm_stats is not None:
                 self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
-            finite = bad_anywhere == 0
-        return finite
+            finite, fits = bad_anywhere[0] == 0, bad_anywhere[1] == 0
+        return finite, fits
+
+    def _momentum_fits(self, params: list[Tensor], groups: list[dict[str, Any]], device: torch.device) -> Tensor:
+        """False where an fp16 matrix's momentum (or, for Dion, its products with B = M + G) would
+        overflow fp16 this step although the gradient is finite: the step would turn its weights
+        into NaN. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are always True.
+        Costs one pass over such a matrix's momentum and gradient, and nothing for other dtypes."""
+        fits = torch.ones(len(params), dtype=torch.bool, device=device)
+        for i, (p, group) in enumerate(zip(params, groups)):
+            if p.dtype != torch.float16 or group["algorithm"] not in MATRIX_ALGORITHMS:
+                continue
+            momentum = self.state.get(p, {}).get("momentum")
+            if momentum is None or not _local(momentum).numel():
+                continue
+            m, g = _local(momentum), _local(p.grad)
+            top = torch.finfo(torch.float16).max
+            if group["algorithm"] == "dion":
+                # B Q and Bᵀ P: with unit-norm columns of Q and orthonormal ones of P, each entry is at
+                # most a row's or a column's 2-norm of B = M + G.
+                b = m.float() + g.float()
+                b = b if b.ndim == 3 else b.reshape(1, b.shape[0], -1)  # a batch of matrices, or one
+                rows, cols = torch.linalg.vector_norm(b, dim=-1), torch.linalg.vector_norm(b, dim=-2)
+                size = torch.maximum(rows.amax(), cols.amax())
+            else:
+                mu = 1.0 if group["algorithm"] in ("dion2", "dion3") else group["mu"]
+                new = m.float() * mu + g.float()
+                size = new.abs().amax()
+                if group["algorithm"] in ("muon", "normuon") and group["nesterov"]:
+                    size = torch.maximum(size, (new * mu + g.float()).abs().amax())  # B = G + μ·(new M)
+            fits[i] = size.to(device) <= top
+        return fits
 
     def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         """Capturable: record which gradients are non-finite without reading the verdict back."""
         params = [p for _, ps in work for p in ps]
         if params:
-            bad = ~self._finite(params)
+            finite, fits = self._finite(params, [g for g, ps in work for _ in ps])
+            bad = ~(finite & fits)
             held = self._nonfinite_flags
             # Compared by identity: == on lists of tensors would compare their values elementwise.
             if held is not None and len(held[0]) == len(params) and all(a is b for a, b in zip(held[0], params)):
@@ -571,7 +605,8 @@ class OrthonormalOptimizer(Optimizer):
         if bool(bad.any()):
             names = [self.param_name(p) for p, b in zip(params, bad.tolist()) if b]
             raise NonFiniteGradientError(
-                f"parameters {names} had non-finite gradients (NaN or Inf) in the last captured step; their "
+                f"parameters {names} had non-finite gradients (NaN or Inf), or float16 momenta that overflowed, "
+                "in the last captured step; their "
                 "update was applied, so restore the last checkpoint, then lower the learning rate or clip gradients"
             )
 
@@ -579,21 +614,26 @@ class OrthonormalOptimizer(Optimizer):
         params = [p for _, ps in work for p in ps]
         if not params:
             return work
-        finite = self._finite(params)
-        if bool(finite.all()):
+        finite, fits = self._finite(params, [g for g, ps in work for _ in ps])
+        ok = finite & fits
+        if bool(ok.all()):
             return work
-        bad = {p for p, ok in zip(params, finite.tolist()) if not ok}
+        overflow = "a finite gradient, but this step's momentum would overflow float16 (above 65504) and turn " \
+                   "the weights into NaN"
+        bad = {p: "a non-finite gradient (NaN or Inf)" if not grad_ok else overflow
+               for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist()) if not step_ok}
         for group, ps in work:
             for p in ps:
                 if p in bad and group["nonfinite"] == "raise":
+                    fix = "Lower the learning rate, clip gradients" if "non-finite" in bad[p] else \
+                        "Keep such parameters in bfloat16 or float32, scale the loss or gradients down"
                     raise NonFiniteGradientError(
-                        f"parameter {self.param_name(p)} has a non-finite gradient (NaN or Inf); no "
-                        "parameter or state was changed. Lower the learning rate, clip gradients, or pass "
-                        "nonfinite='skip' to skip such updates"
+                        f"parameter {self.param_name(p)} has {bad[p]}; no parameter or state was changed. "
+                        f"{fix}, or pass nonfinite='skip' to skip such updates"
                     )
-        for p in bad:
+        for p, why in bad.items():
             warnings.warn(
-                f"parameter {self.param_name(p)} has a non-finite gradient; its update was skipped this step",
+                f"parameter {self.param_name(p)} has {why}; its update was skipped this step",
                 stacklevel=3,
             )
         return [(g, [p for p in ps if p not in bad]) for g, ps in work]
