@@ -327,3 +327,49 @@ def test_hsdp_matches_single_process():
     for rec in run_distributed(_hsdp_training, 4, timeout=180):
         for name in ("normuon", "dion3"):  # Dion3 with exact global selection picks one process's rows
             assert max(rec[name]["errors"]) <= 1e-4, (name, rec[name])  # gradient averaging reorders sums
+
+
+def _expert_batches(rank: int, world: int) -> dict:
+    """3-D batches of matrices sharded by matrix (Shard(0), the "local" layout: each rank updates whole
+    experts): 5 experts on 2 ranks (3 + 2), 1 expert (a rank holds none), and per-head blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(5, 6, 8), (1, 6, 8)]
+    optimizers = {
+        "muon": (orthoptim.Muon, {}), "normuon": (orthoptim.NorMuon, {}), "dion3": (orthoptim.Dion3, {}),
+        "dion2": (orthoptim.Dion2, {"fraction": 0.5}), "dion": (orthoptim.Dion, {"rank_fraction": 0.5}),
+    }
+    out = {}
+    for heads in (None, 2):
+        for name, (cls, options) in optimizers.items():
+            gen = torch.Generator().manual_seed(5)
+            init = [torch.randn(s, generator=gen) for s in shapes]
+            grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
+            single = [nn.Parameter(t.clone()) for t in init]
+            sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+            opt_single = cls([{"params": single, "num_heads": heads}], lr=LR, weight_decay=WD, **options)
+            opt = cls([{"params": sharded, "num_heads": heads}], lr=LR, weight_decay=WD, distributed_mesh=mesh,
+                      **options)
+            for step in range(STEPS):
+                for a, b, g in zip(single, sharded, grads[step]):
+                    a.grad = g.clone()
+                    b.grad = distribute_tensor(g.clone(), mesh, [Shard(0)])
+                opt_single.step()
+                opt.step()
+            rec = {"errors": [float((b.full_tensor() - a).norm() / a.norm()) for a, b in zip(single, sharded)],
+                   "layouts": [opt._layout(p, opt.param_groups[0]) for p in sharded]}
+            if name == "dion":  # the right factors: whole and the same on every rank, as on one process
+                rec["q_error"] = max(float((opt.state[b]["Q"] - opt_single.state[a]["Q"]).abs().max())
+                                     for a, b in zip(single, sharded))
+            out[(heads, name)] = rec
+    return out
+
+
+def test_expert_batches_sharded_by_matrix_match_single_process():
+    for result in run_distributed(_expert_batches, 2, timeout=240):
+        for key, rec in result.items():
+            assert rec["layouts"] == ["local", "local"], key
+            assert max(rec["errors"]) <= REL_TOL, (key, rec["errors"])
+            assert rec.get("q_error", 0.0) <= 1e-6, (key, rec["q_error"])

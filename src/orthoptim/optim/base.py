@@ -784,7 +784,9 @@ class OrthonormalOptimizer(Optimizer):
                 extra = view.row_vectors(whole_of[p].variance if layout == "gathered" else _local(state["variance"]))
             elif algorithm == "dion":
                 ranks = self._dion_ranks(view, group["rank_fraction"])
-                extra = [state["Q"][i, :, :r] for i, r in enumerate(ranks)]
+                # Q holds every matrix of the whole batch; a "local" shard's matrices start further in.
+                first = self._local_batch_offset(p) * len(view.blocks) if layout == "local" else 0
+                extra = [state["Q"][first + i, :, :r] for i, r in enumerate(ranks)]
             else:
                 extra = [None] * view.num_matrices
             for xv, gv, mv, e, r in zip(view.matrices(x), view.matrices(grad), view.matrices(m), extra, ranks):
@@ -862,6 +864,37 @@ class OrthonormalOptimizer(Optimizer):
                                   columns=columns, **common)
         for whole in gathered:
             whole.write_back(lr, wd)
+        if algorithm == "dion":
+            for p, layout in zip(params, layouts):
+                if layout == "local":
+                    self._share_local_right_factors(p)
+
+    @staticmethod
+    def _expert_mesh_dim(p: Tensor) -> int:
+        return next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
+
+    def _local_batch_offset(self, p: Tensor) -> int:
+        """Index of this rank's first matrix in a ``Shard(0)`` batch of matrices (torch.chunk-style)."""
+        dim = self._expert_mesh_dim(p)
+        sizes = shard_rows(p.shape[0], p.device_mesh.size(dim))
+        return sum(sizes[: p.device_mesh.get_local_rank(dim)])
+
+    def _share_local_right_factors(self, p: Tensor) -> None:
+        """Dion on a ``Shard(0)`` batch of matrices: each rank updated the right factors of its own
+        matrices; all-gather them, so that Q is the same whole tensor on every rank (as the state of
+        every other layout is) and a checkpoint saved from any rank holds every matrix's."""
+        q = self.state[p]["Q"]
+        per_batch = q.view(p.shape[0], -1, *q.shape[1:])  # [batch, blocks of one matrix, cols, r]
+        dim = self._expert_mesh_dim(p)
+        sizes = shard_rows(p.shape[0], p.device_mesh.size(dim))
+        first = self._local_batch_offset(p)
+        own = per_batch[first: first + sizes[p.device_mesh.get_local_rank(dim)]]
+        placements = [Shard(0) if i == dim else Replicate() for i in range(p.device_mesh.ndim)]
+        whole = DTensor.from_local(own.contiguous(), p.device_mesh, placements, shape=per_batch.shape,
+                                   stride=per_batch.stride())
+        per_batch.copy_(whole.full_tensor())
+        if self.comm_stats is not None:
+            self.comm_stats.record("all_gather", q.numel() * q.element_size())
 
     def _memory_chunks(self, batch: list[_Matrix], algorithm: str, fraction: float = 1.0) -> list[list[_Matrix]]:
         """A big megabatch in up to ``MEMORY_CHUNKS`` parts when nothing is communicated: an
