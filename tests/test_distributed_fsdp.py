@@ -245,6 +245,27 @@ def test_sharded_parameter_without_mesh_is_refused():
     assert "blocks.0.attn.weight" in message and "Shard(dim=0)" in message and "distributed_mesh" in message
 
 
+def _wrong_sub_mesh(rank: int, world: int) -> str:
+    """HSDP rows sharded over mesh['shard'], but the optimizer given mesh['replicate'] (the same size)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, [Replicate(), Shard(0)]))
+    try:
+        orthoptim.Muon([{"params": [("blocks.0.attn.weight", p)]}], distributed_mesh=mesh["replicate"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_rows_sharded_over_another_sub_mesh_of_the_same_size_are_refused():
+    """The row exchange would have assembled rows from replicas: updates 39 % off, silently."""
+    for message in run_distributed(_wrong_sub_mesh, 4, timeout=60):
+        assert "blocks.0.attn.weight" in message and "sharded over ranks" in message, message
+        assert "mesh['shard']" in message, message
+
+
 def _fully_shard_training(rank: int, world: int) -> dict:
     """A real FSDP2 model: each rank trains on its slice; equals one process on the whole batch."""
     from torch.distributed.device_mesh import init_device_mesh

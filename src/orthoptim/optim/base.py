@@ -296,12 +296,21 @@ class OrthonormalOptimizer(Optimizer):
         sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
         if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
             return  # elementwise rules, replicated matrices and gathered (e.g. FSDP x TP) matrices
-        if type(p.placements[sharded[0]]) is Shard and p.placements[sharded[0]].dim == 0 and \
-                p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
+        if type(p.placements[sharded[0]]) is not Shard or p.placements[sharded[0]].dim != 0:
+            return
+        if p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
             raise ValueError(
                 f"{where}: its shard mesh dimension has {p.device_mesh.size(sharded[0])} ranks but "
                 f"distributed_mesh has {dist.get_world_size(self._process_group)}; pass the mesh (for HSDP "
                 "the shard sub-mesh, e.g. mesh['shard']) the parameter is sharded over")
+        if self._layout(p, group) == "row_sharded" and not self._sharded_over_distributed_mesh(p):
+            # Same size, other ranks (e.g. HSDP's replicate sub-mesh): rows would be assembled from
+            # replicas instead of shards.
+            shard_ranks = dist.get_process_group_ranks(p.device_mesh.get_group(sharded[0]))
+            raise ValueError(
+                f"{where}: it is sharded over ranks {shard_ranks} but distributed_mesh holds ranks "
+                f"{dist.get_process_group_ranks(self._process_group)}; pass the mesh the parameter is sharded "
+                "over (for HSDP the shard sub-mesh, e.g. mesh['shard'])")
 
     def _dion_meshes(self) -> dict[str, dist.ProcessGroup | None]:
         return {"outer_shard_mesh": self._process_group, "inner_shard_mesh": self._inner_group}
