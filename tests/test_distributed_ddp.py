@@ -115,3 +115,31 @@ def test_ddp_model_matches_single_process_on_the_whole_batch():
         assert max(rec["errors"]) <= 1e-4, (rank, rec["errors"])  # gradient averaging reorders sums
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)  # ranks stay bit-identical
+
+
+def _grad_on_one_rank(rank: int, world: int) -> dict:
+    """A parameter with a gradient on rank 0 only (e.g. a branch taken on one rank), and a step in
+    which rank 1 has no gradient at all: both hung in mismatched collectives."""
+    out = {}
+    for case in ("one_parameter", "no_gradient_on_rank_1"):
+        params = [nn.Parameter(t) for t in _params()]
+        opt = orthoptim.Dion3([("w0", params[0]), ("w1", params[1]), ("w2", params[2])],
+                              distributed_mesh=dist.group.WORLD)
+        before = [p.detach().clone() for p in params]
+        for i, (p, g) in enumerate(zip(params, _grads(0))):
+            give = rank == 0 or (case == "one_parameter" and i != 1)
+            p.grad = g if give else None
+        try:
+            opt.step()
+            out[case] = "no error"
+        except ValueError as e:
+            out[case] = str(e)
+        out[case + "_unchanged"] = all(torch.equal(a, b) for a, b in zip(params, before))
+    return out
+
+
+def test_a_gradient_on_some_ranks_only_is_an_error_on_every_rank():
+    for result in run_distributed(_grad_on_one_rank, 2, timeout=120):
+        assert "['w1']" in result["one_parameter"] and "some ranks" in result["one_parameter"], result
+        assert "some ranks and none on others" in result["no_gradient_on_rank_1"], result
+        assert result["one_parameter_unchanged"] and result["no_gradient_on_rank_1_unchanged"], result

@@ -524,7 +524,9 @@ class OrthonormalOptimizer(Optimizer):
                 )
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [_local(p.grad) for p in params]
-        device = grads[0].device
+        everyone = [p for g in self.param_groups for p in g["params"]]
+        # A rank whose parameters have no gradients this step still takes part in the verdict.
+        device = grads[0].device if grads else _local(everyone[0]).device
 
         def extremes_finite(gs: list[Tensor]) -> Tensor:
             # min and max are finite iff every entry is (NaN propagates), compared in the widest of the
@@ -536,7 +538,9 @@ class OrthonormalOptimizer(Optimizer):
             return torch.isfinite(extremes).all(-1)
 
         summable = all(g.device.type == "cpu" and g.dtype.is_floating_point for g in grads)
-        if self.capturable or not summable:
+        if not grads:
+            finite = torch.ones(0, dtype=torch.bool, device=device)
+        elif self.capturable or not summable:
             finite = extremes_finite(grads)
         else:
             # On CPUs a plain sum is ~1.7x faster than aminmax. A finite sum proves every entry finite
@@ -547,15 +551,33 @@ class OrthonormalOptimizer(Optimizer):
                 suspects = (~finite).nonzero().flatten().tolist()
                 finite[suspects] = extremes_finite([grads[i] for i in suspects])
         fits = self._momentum_fits(params, groups, device)
+        verdict_groups = self._verdict_groups(everyone)
+        if not verdict_groups:
+            return finite, fits
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
-        # diverge (and hang in the next collective).
-        for group in self._verdict_groups(params):
-            bad_anywhere = torch.stack([~finite, ~fits]).to(torch.int32)
-            dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX, group=group)
+        # diverge (and hang in the next collective). The table covers every parameter of the
+        # optimizer, so that it has one size on every rank even if the ranks disagree on which
+        # parameters have a gradient: rows are bad gradient, bad momentum, has a gradient, has none.
+        position = {p: i for i, p in enumerate(everyone)}
+        index = torch.tensor([position[p] for p in params], dtype=torch.long, device=device)
+        table = torch.zeros(4, len(everyone), dtype=torch.uint8, device=device)
+        table[0, index], table[1, index] = (~finite).to(torch.uint8), (~fits).to(torch.uint8)
+        table[2, index] = 1
+        table[3] = 1
+        table[3, index] = 0
+        for group in verdict_groups:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
             if self.comm_stats is not None:
-                self.comm_stats.record("all_reduce", bad_anywhere.numel() * bad_anywhere.element_size())
-            finite, fits = bad_anywhere[0] == 0, bad_anywhere[1] == 0
-        return finite, fits
+                self.comm_stats.record("all_reduce", table.numel() * table.element_size())
+        if not self.capturable:  # a host read; capturable steps keep one set of parameters anyway
+            mixed = (table[2] & table[3]).nonzero().flatten().tolist()
+            if mixed:
+                names = [self.param_name(everyone[i]) for i in mixed]
+                raise ValueError(
+                    f"parameters {names} have a gradient on some ranks and none on others; every rank must "
+                    "give the same parameters gradients (set unused ones to zeros, e.g. p.grad = "
+                    "torch.zeros_like(p), or use the same model code on every rank). Nothing was changed")
+        return table[0, index] == 0, table[1, index] == 0
 
     def _momentum_fits(self, params: list[Tensor], groups: list[dict[str, Any]], device: torch.device) -> Tensor:
         """False where an fp16 matrix's momentum (or, for Dion, its products with B = M + G) would
@@ -621,7 +643,7 @@ class OrthonormalOptimizer(Optimizer):
 
     def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         params = [p for _, ps in work for p in ps]
-        if not params:
+        if not params and not self._verdict_groups([p for g in self.param_groups for p in g["params"]]):
             return work
         finite, fits = self._finite(params, [g for g, ps in work for _ in ps])
         ok = finite & fits
