@@ -394,3 +394,45 @@ def test_expert_batches_sharded_by_matrix_match_single_process():
             assert rec["layouts"] == ["local", "local"], key
             assert max(rec["errors"]) <= REL_TOL, (key, rec["errors"])
             assert rec.get("q_error", 0.0) <= 1e-6, (key, rec["q_error"])
+
+
+def _no_eps_polar(x: torch.Tensor) -> torch.Tensor:
+    """A user's orthogonalizer that divides by the norm without an eps: NaN on a zero matrix."""
+    return _exact_polar(x / x.norm(dim=(-2, -1), keepdim=True))
+
+
+def _bad_shape(x: torch.Tensor) -> torch.Tensor:
+    return x[..., :-1]
+
+
+def _user_orthogonalizer_failures(rank: int, world: int) -> dict:
+    """DDP pads a batch that does not divide the world; FSDP runs the orthogonalizer on the rows' owner
+    only. A failure there raised on one rank while the others waited in a collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = {}
+    params = [nn.Parameter(t) for t in _init()[:3]]  # 3 same-shape matrices on 2 ranks: one padded entry
+    opt = orthoptim.Muon(params, orthogonalizer=_no_eps_polar, distributed_mesh=torch.distributed.group.WORLD)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g
+    opt.step()
+    out["ddp_padding"] = all(bool(torch.isfinite(p).all()) for p in params)
+    mesh = init_device_mesh("cpu", (world,))
+    sharded = nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]))
+    opt = orthoptim.Muon([("w", sharded)], orthogonalizer=_bad_shape, distributed_mesh=mesh)
+    sharded.grad = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+    try:
+        opt.step()
+        out["fsdp_owner"] = "no error"
+    except ValueError as e:
+        out["fsdp_owner"] = str(e)
+    return out
+
+
+def test_a_failing_user_orthogonalizer_raises_on_every_rank_without_hanging():
+    results = run_distributed(_user_orthogonalizer_failures, 2, timeout=90)
+    for result in results:
+        assert result["ddp_padding"], result
+        assert "zero update" in result["fsdp_owner"], result
+    assert any("returned (1, 8, 15)" in r["fsdp_owner"] and "['w']" in r["fsdp_owner"] for r in results), results

@@ -2,7 +2,7 @@
 
 The gradient is already averaged by DDP, so the momentum, the row selection and the batch to
 orthogonalize are identical on every rank. Rank r computes matrices [r·c, (r+1)·c) of the batch,
-zero-padded to c·world (c = ceil(B / world)), and one all-gather returns the whole result to
+padded to c·world (c = ceil(B / world)) with copies of its first matrix, and one all-gather returns the whole result to
 everyone: no work is repeated, one collective per megabatch.
 """
 
@@ -18,9 +18,11 @@ from orthoptim.distributed.comm import CommStats, all_gather_batch
 
 
 def _pad(batch: Tensor | list[Tensor], pad: int) -> Tensor | list[Tensor]:
+    # Copies of the first entry, not zeros: the padding is computed and dropped, and a function
+    # that cannot take a zero matrix (a user's orthogonalizer without an eps) must not fail on it.
     if isinstance(batch, Tensor):
-        return torch.cat([batch, batch.new_zeros((pad, *batch.shape[1:]))])
-    return list(batch) + [torch.zeros_like(batch[0])] * pad
+        return torch.cat([batch, batch[:1].expand(pad, *batch.shape[1:])])
+    return list(batch) + [batch[0]] * pad
 
 
 def split_batch(fn: Callable[..., Tensor], group: dist.ProcessGroup,

@@ -184,6 +184,7 @@ class OrthonormalOptimizer(Optimizer):
         # Capturable: no host sync in step() (see orthoptim.optim.capture); set before groups are added.
         self.capturable = capturable
         self.nonfinite_found: Tensor | None = None  # capturable: a device flag of the last step
+        self._orthogonalizer_problems: list[str] = []  # what a user's orthogonalizer did wrong this step
         self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         self._process_group = resolve_process_group(distributed_mesh)
         # Data parallel without DDP (Dion's compressed sync): this optimizer averages the gradients.
@@ -495,6 +496,8 @@ class OrthonormalOptimizer(Optimizer):
                 self._matrix_step(group, params)
             else:
                 self._scalar_step(group, params)
+        if any(callable(g["orthogonalizer"]) and not _ours(g["orthogonalizer"]) for g in self.param_groups):
+            self._raise_orthogonalizer_problems()
         return loss
 
     def _average_gradients(self, work: list[tuple[dict, list[Tensor]]]) -> None:
@@ -693,8 +696,9 @@ class OrthonormalOptimizer(Optimizer):
 
     def _checked(self, fn: Orthogonalizer, names: list[str]) -> Orthogonalizer:
         """A user's orthogonalizer, its output checked: a wrong shape would broadcast into the update and
-        NaNs would reach the parameters, both silently. (Non-finite output is checked with a host read,
-        so not in capturable steps.)"""
+        NaNs would reach the parameters, both silently. A failing batch gets a zero update and the step
+        ends with an error (``_raise_orthogonalizer_problems``). (Non-finite output is checked with a
+        host read, so not in capturable steps.)"""
         def run(u: Tensor) -> Tensor:
             out = fn(u)
             problem = None
@@ -704,13 +708,32 @@ class OrthonormalOptimizer(Optimizer):
             elif not self.capturable and not bool(torch.isfinite(out).all()):
                 problem = "returned non-finite values (NaN or Inf) for a finite batch" if bool(
                     torch.isfinite(u).all()) else "was given a non-finite batch (the momentum holds NaN or Inf)"
-            if problem is not None:
-                raise ValueError(
-                    f"orthogonalizer {fn!r} {problem} (parameters {names}). This step stopped partway: "
-                    "state updated before this point (momenta, earlier groups) has changed; restore the "
-                    "optimizer from a checkpoint after fixing it")
-            return out
+            if problem is None:
+                return out
+            # Not raised here: distributed, this may run on one rank only (an owner of whole rows, a
+            # share of a batch) while the others wait in a collective. A zero update stands in, the
+            # step completes on every rank, and step() raises on all of them together.
+            self._orthogonalizer_problems.append(f"orthogonalizer {fn!r} {problem} (parameters {names})")
+            return torch.zeros_like(u)
         return run
+
+    def _raise_orthogonalizer_problems(self) -> None:
+        """After a step with a user's orthogonalizer: raise on every rank if it failed on any."""
+        problems, self._orthogonalizer_problems = self._orthogonalizer_problems, []
+        failed = bool(problems)
+        everyone = [p for g in self.param_groups for p in g["params"]]
+        verdict_groups = self._verdict_groups(everyone)
+        if verdict_groups:
+            flag = torch.tensor([int(failed)], dtype=torch.uint8, device=_local(everyone[0]).device)
+            for group in verdict_groups:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            failed = bool(flag.item())
+        if failed:
+            what = "; ".join(problems) if problems else "the orthogonalizer failed on another rank (see its error)"
+            raise ValueError(
+                f"{what}. Those matrices got a zero update this step (nothing non-finite reached the weights), "
+                "but momenta and the other parameters were updated: fix the orthogonalizer, then restore the "
+                "optimizer and model from a checkpoint")
 
     def _share(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """Distributed: each rank computes its share of a batch function and all-gathers the rest."""
