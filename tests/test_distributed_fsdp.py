@@ -436,3 +436,31 @@ def test_a_failing_user_orthogonalizer_raises_on_every_rank_without_hanging():
         assert result["ddp_padding"], result
         assert "zero update" in result["fsdp_owner"], result
     assert any("returned (1, 8, 15)" in r["fsdp_owner"] and "['w']" in r["fsdp_owner"] for r in results), results
+
+
+def _uneven_blocks(rank: int, world: int) -> dict:
+    """DTensors built from local blocks that are not torch.chunk's split (3 + 5 rows or columns of 8)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for dim in (0, 1):
+        size = 3 if rank == 0 else 5
+        local = torch.randn((size, 6) if dim == 0 else (6, size))
+        shape = (8, 6) if dim == 0 else (6, 8)
+        p = nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], shape=torch.Size(shape),
+                                            stride=(shape[1], 1)))
+        try:
+            orthoptim.Dion3([("w", p)], distributed_mesh=mesh)
+            out[dim] = "no error"
+        except ValueError as e:
+            out[dim] = str(e)
+    return out
+
+
+def test_blocks_that_are_not_torch_chunk_shards_are_refused_at_construction():
+    for rank, result in enumerate(run_distributed(_uneven_blocks, 2, timeout=60)):
+        held = 3 if rank == 0 else 5
+        assert f"holds {held} of its 8 rows" in result[0] and "[4, 4]" in result[0], result
+        assert f"holds {held} of its 8 columns" in result[1] and "torch.chunk" in result[1], result

@@ -297,6 +297,18 @@ class OrthonormalOptimizer(Optimizer):
         sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
         if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
             return  # elementwise rules, replicated matrices and gathered (e.g. FSDP x TP) matrices
+        layout = self._layout(p, group)
+        if layout in ("row_sharded", "column_sharded"):
+            # Their exchanges size every rank's block as torch.chunk (FSDP2, distribute_tensor) does; a
+            # DTensor built from uneven local blocks would fail or hang in the first step.
+            dim, mesh_dim = p.placements[sharded[0]].dim, sharded[0]
+            expected = shard_rows(p.shape[dim], p.device_mesh.size(mesh_dim))
+            mine = expected[p.device_mesh.get_local_rank(mesh_dim)]
+            if _local(p).shape[dim] != mine:
+                raise ValueError(
+                    f"{where}: this rank holds {_local(p).shape[dim]} of its {p.shape[dim]} "
+                    f"{'rows' if dim == 0 else 'columns'}, but Shard({dim}) as torch.chunk splits them {expected}; "
+                    "only torch.chunk-style shards (FSDP2's, distribute_tensor's) are supported")
         if type(p.placements[sharded[0]]) is not Shard or p.placements[sharded[0]].dim != 0:
             return
         if p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
@@ -304,7 +316,7 @@ class OrthonormalOptimizer(Optimizer):
                 f"{where}: its shard mesh dimension has {p.device_mesh.size(sharded[0])} ranks but "
                 f"distributed_mesh has {dist.get_world_size(self._process_group)}; pass the mesh (for HSDP "
                 "the shard sub-mesh, e.g. mesh['shard']) the parameter is sharded over")
-        if self._layout(p, group) == "row_sharded" and not self._sharded_over_distributed_mesh(p):
+        if layout == "row_sharded" and not self._sharded_over_distributed_mesh(p):
             # Same size, other ranks (e.g. HSDP's replicate sub-mesh): rows would be assembled from
             # replicas instead of shards.
             shard_ranks = dist.get_process_group_ranks(p.device_mesh.get_group(sharded[0]))
