@@ -121,13 +121,13 @@ def _grad_on_one_rank(rank: int, world: int) -> dict:
     """A parameter with a gradient on rank 0 only (e.g. a branch taken on one rank), and a step in
     which rank 1 has no gradient at all: both hung in mismatched collectives."""
     out = {}
-    for case in ("one_parameter", "no_gradient_on_rank_1"):
+    for case in ("one_parameter", "no_gradient_on_rank_1", "capturable"):
         params = [nn.Parameter(t) for t in _params()]
         opt = orthoptim.Dion3([("w0", params[0]), ("w1", params[1]), ("w2", params[2])],
-                              distributed_mesh=dist.group.WORLD)
+                              distributed_mesh=dist.group.WORLD, capturable=case == "capturable")
         before = [p.detach().clone() for p in params]
         for i, (p, g) in enumerate(zip(params, _grads(0))):
-            give = rank == 0 or (case == "one_parameter" and i != 1)
+            give = rank == 0 or (case != "no_gradient_on_rank_1" and i != 1)
             p.grad = g if give else None
         try:
             opt.step()
@@ -142,4 +142,5 @@ def test_a_gradient_on_some_ranks_only_is_an_error_on_every_rank():
     for result in run_distributed(_grad_on_one_rank, 2, timeout=120):
         assert "['w1']" in result["one_parameter"] and "some ranks" in result["one_parameter"], result
         assert "some ranks and none on others" in result["no_gradient_on_rank_1"], result
+        assert "['w1']" in result["capturable"], result  # eager capturable steps check it too
         assert result["one_parameter_unchanged"] and result["no_gradient_on_rank_1_unchanged"], result

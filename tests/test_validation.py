@@ -433,7 +433,8 @@ def test_param_groups_override_that_is_not_a_dict_is_named():
     (lambda u: u[..., :1, :], ["returned (1, 1, 8)", "batch of shape (1, 6, 8)", "same shape"]),
     (lambda u: torch.full_like(u, float("nan")), ["non-finite values", "finite batch"]),
     (lambda u: u.tolist(), ["returned list"]),
-], ids=["broadcastable_shape", "nan", "not_a_tensor"])
+    (lambda u: 1 / 0, ["raised ZeroDivisionError"]),
+], ids=["broadcastable_shape", "nan", "not_a_tensor", "raises"])
 def test_orthogonalizer_output_is_checked_and_named(name, orthogonalizer, fragments):
     """A wrong shape would broadcast into every row and NaNs would reach the weights, both silently."""
     model = make_model()
@@ -536,3 +537,29 @@ def test_fp16_momentum_that_fits_steps_normally(name):
     p, opt = _fp16_step(name, [100.0, 100.0, 100.0])
     opt.step()
     assert torch.isfinite(p).all()
+
+
+def test_a_users_factored_orthogonalizer_is_checked_too():
+    """Muon lets a callable's ``factored`` form write the last product into the weights: checked alike."""
+    def exact(u):
+        return orthoptim.orthogonalize.svd_polar(u)
+
+    exact.factored = lambda u: orthoptim.orthogonalize.PolarFactors(
+        torch.full((u.shape[0], 6, 6), float("nan")), u.mT.contiguous() if u.shape[-2] > u.shape[-1] else u,
+        u.shape[-2] > u.shape[-1])
+    model = make_model()
+    opt = orthoptim.Muon([named_group(model, "lin.weight", orthogonalizer=exact)])
+    set_grads(model, 0)
+    with raises_naming(ValueError, "non-finite factors", "lin.weight", "zero update"):
+        opt.step()
+    assert torch.isfinite(model.lin.weight).all()
+
+
+def test_fp16_overflow_is_checked_on_the_matrices_dion_works_on():
+    """A flattened conv weight [256, 4, 3] is one 256×12 matrix: its columns' norms overflow fp16 in
+    Bᵀ P (5000·√256 = 80000), which per-[4, 3]-slice norms missed."""
+    p = nn.Parameter(torch.full((256, 4, 3), 0.01, dtype=torch.float16))
+    opt = orthoptim.Dion([{"params": [p], "param_names": ["conv"], "flatten": True}], rank_fraction=0.5)
+    p.grad = torch.full_like(p, 5000.0)
+    with raises_naming(orthoptim.NonFiniteGradientError, "conv", "overflow float16"):
+        opt.step()

@@ -32,7 +32,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
             return text
         return super()._get_help_string(action)
 

@@ -28,7 +28,13 @@ from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, 
 from orthoptim.kernels import cpu_dtype
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
-from orthoptim.orthogonalize import Orthogonalizer, get_factored_orthogonalizer, get_orthogonalizer, normalize_columns
+from orthoptim.orthogonalize import (
+    Orthogonalizer,
+    PolarFactors,
+    get_factored_orthogonalizer,
+    get_orthogonalizer,
+    normalize_columns,
+)
 from orthoptim.rules.normalization import orthogonalize_and_normalize
 from orthoptim.rules.selection import num_selected
 
@@ -185,6 +191,7 @@ class OrthonormalOptimizer(Optimizer):
         self.capturable = capturable
         self.nonfinite_found: Tensor | None = None  # capturable: a device flag of the last step
         self._orthogonalizer_problems: list[str] = []  # what a user's orthogonalizer did wrong this step
+        self._verdict_index: tuple[list[Tensor], Tensor] | None = None  # see _positions_among
         self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         self._process_group = resolve_process_group(distributed_mesh)
         # Data parallel without DDP (Dion's compressed sync): this optimizer averages the gradients.
@@ -525,10 +532,11 @@ class OrthonormalOptimizer(Optimizer):
             flat /= world
             torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
 
-    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]]) -> tuple[Tensor, Tensor]:
+    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
         on by every rank: is its gradient finite, and does this step's momentum fit its dtype (see
-        ``_momentum_fits``)?"""
+        ``_momentum_fits``)? Distributed, also one bool per parameter of the optimizer: does it have a
+        gradient on some ranks and none on others (else None)."""
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"parameter {self.param_name(p)} has a sparse gradient; orthoptim needs dense ones")
@@ -568,37 +576,50 @@ class OrthonormalOptimizer(Optimizer):
         fits = self._momentum_fits(params, groups, device)
         verdict_groups = self._verdict_groups(everyone)
         if not verdict_groups:
-            return finite, fits
+            return finite, fits, None
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
         # diverge (and hang in the next collective). The table covers every parameter of the
         # optimizer, so that it has one size on every rank even if the ranks disagree on which
         # parameters have a gradient: rows are bad gradient, bad momentum, has a gradient, has none.
-        position = {p: i for i, p in enumerate(everyone)}
-        index = torch.tensor([position[p] for p in params], dtype=torch.long, device=device)
+        index = self._positions_among(params, everyone, device)
+        # index_copy_/index_fill_ rather than item assignment: a Python value assigned through an index
+        # becomes a fresh host tensor, a copy a CUDA graph cannot hold.
         table = torch.zeros(4, len(everyone), dtype=torch.uint8, device=device)
-        table[0, index], table[1, index] = (~finite).to(torch.uint8), (~fits).to(torch.uint8)
-        table[2, index] = 1
-        table[3] = 1
-        table[3, index] = 0
+        table[0].index_copy_(0, index, (~finite).to(torch.uint8))
+        table[1].index_copy_(0, index, (~fits).to(torch.uint8))
+        table[2].index_fill_(0, index, 1)
+        table[3].fill_(1).index_fill_(0, index, 0)
         for group in verdict_groups:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
             if self.comm_stats is not None:
                 self.comm_stats.record("all_reduce", table.numel() * table.element_size())
-        if not self.capturable:  # a host read; capturable steps keep one set of parameters anyway
-            mixed = (table[2] & table[3]).nonzero().flatten().tolist()
-            if mixed:
-                names = [self.param_name(everyone[i]) for i in mixed]
-                raise ValueError(
-                    f"parameters {names} have a gradient on some ranks and none on others; every rank must "
-                    "give the same parameters gradients (set unused ones to zeros, e.g. p.grad = "
-                    "torch.zeros_like(p), or use the same model code on every rank). Nothing was changed")
-        return table[0, index] == 0, table[1, index] == 0
+        return table[0, index] == 0, table[1, index] == 0, (table[2] & table[3]).bool()
+
+    def _positions_among(self, params: list[Tensor], everyone: list[Tensor], device: torch.device) -> Tensor:
+        """Where ``params`` sit in ``everyone``, as a device index: built once per set of parameters
+        (by identity), so a capturable step makes no host-to-device copy."""
+        held = self._verdict_index
+        if held is not None and len(held[0]) == len(params) and all(a is b for a, b in zip(held[0], params)):
+            return held[1]
+        position = {p: i for i, p in enumerate(everyone)}
+        index = torch.tensor([position[p] for p in params], dtype=torch.long, device=device)
+        self._verdict_index = (list(params), index)
+        return index
+
+    def _raise_if_mixed(self, mixed: Tensor) -> None:
+        names = [self.param_name(p) for p, m in zip((p for g in self.param_groups for p in g["params"]),
+                                                    mixed.tolist()) if m]
+        raise ValueError(
+            f"parameters {names} have a gradient on some ranks and none on others; every rank must give the "
+            "same parameters gradients (set unused ones to zeros, e.g. p.grad = torch.zeros_like(p), or use "
+            "the same model code on every rank). Nothing was changed")
 
     def _momentum_fits(self, params: list[Tensor], groups: list[dict[str, Any]], device: torch.device) -> Tensor:
         """False where an fp16 matrix's momentum (or, for Dion, its products with B = M + G) would
         overflow fp16 this step although the gradient is finite: the step would turn its weights
         into NaN. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are always True.
-        Costs one pass over such a matrix's momentum and gradient, and nothing for other dtypes."""
+        For such a matrix: one fp16 temporary of the new momentum (fp16 arithmetic overflows to
+        inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
         fits = torch.ones(len(params), dtype=torch.bool, device=device)
         for i, (p, group) in enumerate(zip(params, groups)):
             if p.dtype != torch.float16 or group["algorithm"] not in MATRIX_ALGORITHMS:
@@ -610,25 +631,54 @@ class OrthonormalOptimizer(Optimizer):
             top = torch.finfo(torch.float16).max
             if group["algorithm"] == "dion":
                 # B Q and Bᵀ P: with unit-norm columns of Q and orthonormal ones of P, each entry is at
-                # most a row's or a column's 2-norm of B = M + G.
-                b = m.float() + g.float()
-                b = b if b.ndim == 3 else b.reshape(1, b.shape[0], -1)  # a batch of matrices, or one
-                rows, cols = torch.linalg.vector_norm(b, dim=-1), torch.linalg.vector_norm(b, dim=-2)
-                size = torch.maximum(rows.amax(), cols.amax())
+                # most a row's or a column's 2-norm of B = M + G, taken on the matrices Dion works on.
+                # A shard holds part of each column (row) when the rows (columns) are sharded: its norm
+                # times √(number of such shards) bounds the whole one.
+                local = self._layout(p, group) == "local"  # whole matrices of a sharded batch
+                b = torch.add(m, g)
+                if local or m.shape == p.shape:
+                    view = self._view(p, group, shape=tuple(m.shape) if local else None)
+                    b = b.view(view.batch, -1, view.cols)
+                else:  # a block of a sharded matrix (2-D, or a flattened conv weight)
+                    b = b.reshape(1, m.shape[0], -1)
+                row_shards, col_shards = (1, 1) if local else self._shard_counts(p)
+                cols = torch.linalg.vector_norm(b, dim=-2, dtype=torch.float32).amax() * math.sqrt(row_shards)
+                rows = torch.linalg.vector_norm(b, dim=-1, dtype=torch.float32).amax() * math.sqrt(col_shards)
+                size = torch.maximum(rows, cols)
             else:
                 mu = 1.0 if group["algorithm"] in ("dion2", "dion3") else group["mu"]
-                new = m.float() * mu + g.float()
+                new = torch.add(g, m, alpha=mu)  # as the rule computes it, in fp16: inf where it overflows
                 size = new.abs().amax()
                 if group["algorithm"] in ("muon", "normuon") and group["nesterov"]:
-                    size = torch.maximum(size, (new * mu + g.float()).abs().amax())  # B = G + μ·(new M)
-            fits[i] = size.to(device) <= top
+                    size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())  # B = G + μ·(new M)
+            fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits
+
+    @staticmethod
+    def _shard_counts(p: Tensor) -> tuple[int, int]:
+        """How many shards split a matrix parameter's rows and its columns (1, 1 for a plain tensor)."""
+        rows = cols = 1
+        for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
+            if isinstance(placement, Shard):
+                if placement.dim == 0:
+                    rows *= p.device_mesh.size(mesh_dim)
+                else:
+                    cols *= p.device_mesh.size(mesh_dim)
+        return rows, cols
 
     def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         """Capturable: record which gradients are non-finite without reading the verdict back."""
         params = [p for _, ps in work for p in ps]
-        if params:
-            finite, fits = self._finite(params, [g for g, ps in work for _ in ps])
+        # A rank without gradients still joins the verdict's all-reduce.
+        everyone = [p for g in self.param_groups for p in g["params"]]
+        if params or (everyone and self._verdict_groups(everyone)):
+            finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps])
+            # Ranks that disagree on which parameters have gradients would hang in the next collective:
+            # checked with a host read, except while a CUDA graph is being captured (the eager warm-up
+            # steps before a capture have checked the same set of parameters).
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if mixed is not None and not capturing and bool(mixed.any()):
+                self._raise_if_mixed(mixed)
             bad = ~(finite & fits)
             held = self._nonfinite_flags
             # Compared by identity: == on lists of tensors would compare their values elementwise.
@@ -658,11 +708,16 @@ class OrthonormalOptimizer(Optimizer):
 
     def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         params = [p for _, ps in work for p in ps]
-        if not params and not self._verdict_groups([p for g in self.param_groups for p in g["params"]]):
+        everyone = [p for g in self.param_groups for p in g["params"]]
+        if not params and not (everyone and self._verdict_groups(everyone)):
             return work
-        finite, fits = self._finite(params, [g for g, ps in work for _ in ps])
+        finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps])
         ok = finite & fits
-        if bool(ok.all()):
+        # One host read of the whole verdict.
+        all_ok, any_mixed = torch.stack([ok.all(), mixed.any() if mixed is not None else ok.new_zeros(())]).tolist()
+        if any_mixed:
+            self._raise_if_mixed(mixed)
+        if all_ok:
             return work
         overflow = "a finite gradient, but this step's momentum would overflow float16 (above 65504) and turn " \
                    "the weights into NaN"
@@ -712,7 +767,11 @@ class OrthonormalOptimizer(Optimizer):
         ends with an error (``_raise_orthogonalizer_problems``). (Non-finite output is checked with a
         host read, so not in capturable steps.)"""
         def run(u: Tensor) -> Tensor:
-            out = fn(u)
+            try:
+                out = fn(u)
+            except Exception as e:  # any failure of a user's function: reported after the step, on every rank
+                self._report(fn, f"raised {type(e).__name__}: {e}", names)
+                return torch.zeros_like(u)
             problem = None
             if not isinstance(out, Tensor) or out.shape != u.shape:
                 got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
@@ -725,16 +784,46 @@ class OrthonormalOptimizer(Optimizer):
             # Not raised here: distributed, this may run on one rank only (an owner of whole rows, a
             # share of a batch) while the others wait in a collective. A zero update stands in, the
             # step completes on every rank, and step() raises on all of them together.
-            self._orthogonalizer_problems.append(f"orthogonalizer {fn!r} {problem} (parameters {names})")
+            self._report(fn, problem, names)
             return torch.zeros_like(u)
         return run
+
+    def _checked_factors(self, fn: Callable[[Tensor], PolarFactors], names: list[str]) -> Callable[..., PolarFactors]:
+        """A user's factored orthogonalizer (its ``factored`` attribute), checked as ``_checked`` checks
+        products: [B, k, k] and [B, k, n] factors of the short side, finite; else zero factors."""
+        def run(u: Tensor) -> PolarFactors:
+            b, rows, cols = u.shape
+            k, n = min(rows, cols), max(rows, cols)
+            zero = PolarFactors(u.new_zeros((b, k, k)), u.new_zeros((b, k, n)), rows > cols)
+            try:
+                out = fn(u)
+            except Exception as e:  # any failure of a user's function: reported after the step, on every rank
+                self._report(fn, f"raised {type(e).__name__}: {e}", names)
+                return zero
+            problem = None
+            if not isinstance(out, PolarFactors) or tuple(out.left.shape) != (b, k, k) or \
+                    tuple(out.right.shape) != (b, k, n) or out.transposed != (rows > cols):
+                problem = (f"returned {out!r:.200} for a batch of shape {tuple(u.shape)}; it must return "
+                           f"PolarFactors([{b}, {k}, {k}], [{b}, {k}, {n}], transposed={rows > cols})")
+            elif not self.capturable and not bool(torch.isfinite(out.left).all() & torch.isfinite(out.right).all()):
+                problem = "returned non-finite factors (NaN or Inf)"
+            if problem is None:
+                return out
+            self._report(fn, problem, names)
+            return zero
+        return run
+
+    def _report(self, fn: Callable[..., Any], problem: str, names: list[str]) -> None:
+        self._orthogonalizer_problems.append(f"orthogonalizer {fn!r} {problem} (parameters {names})")
 
     def _raise_orthogonalizer_problems(self) -> None:
         """After a step with a user's orthogonalizer: raise on every rank if it failed on any."""
         problems, self._orthogonalizer_problems = self._orthogonalizer_problems, []
         failed = bool(problems)
         everyone = [p for g in self.param_groups for p in g["params"]]
-        verdict_groups = self._verdict_groups(everyone)
+        # Capturable steps read nothing back: there, only this rank's problems (wrong shapes, seen on
+        # the host) are raised, and a distributed run should check its orthogonalizer eagerly first.
+        verdict_groups = self._verdict_groups(everyone) if everyone and not self.capturable else []
         if verdict_groups:
             flag = torch.tensor([int(failed)], dtype=torch.uint8, device=_local(everyone[0]).device)
             for group in verdict_groups:
@@ -879,6 +968,8 @@ class OrthonormalOptimizer(Optimizer):
             factors = None
             if layout == "replicated" and self._process_group is None and algorithm == "muon":
                 factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
+                if factors is not None and callable(group["orthogonalizer"]) and not _ours(group["orthogonalizer"]):
+                    factors = self._checked_factors(factors, list(dict.fromkeys(m.name for m in batch)))
             if layout == "row_sharded":
                 plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):
