@@ -419,23 +419,52 @@ def _user_orthogonalizer_failures(rank: int, world: int) -> dict:
     opt.step()
     out["ddp_padding"] = all(bool(torch.isfinite(p).all()) for p in params)
     mesh = init_device_mesh("cpu", (world,))
-    sharded = nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]))
-    opt = orthoptim.Muon([("w", sharded)], orthogonalizer=_bad_shape, distributed_mesh=mesh)
-    sharded.grad = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
-    try:
-        opt.step()
-        out["fsdp_owner"] = "no error"
-    except ValueError as e:
-        out["fsdp_owner"] = str(e)
+    for capturable in (False, True):  # eager capturable steps agree too (only a CUDA capture cannot)
+        sharded = nn.Parameter(distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)]))
+        opt = orthoptim.Muon([("w", sharded)], orthogonalizer=_bad_shape, distributed_mesh=mesh,
+                             capturable=capturable)
+        sharded.grad = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
+        try:
+            opt.step()
+            out[("fsdp_owner", capturable)] = "no error"
+        except ValueError as e:
+            out[("fsdp_owner", capturable)] = str(e)
     return out
 
 
 def test_a_failing_user_orthogonalizer_raises_on_every_rank_without_hanging():
     results = run_distributed(_user_orthogonalizer_failures, 2, timeout=90)
-    for result in results:
-        assert result["ddp_padding"], result
-        assert "zero update" in result["fsdp_owner"], result
-    assert any("returned (1, 8, 15)" in r["fsdp_owner"] and "['w']" in r["fsdp_owner"] for r in results), results
+    for capturable in (False, True):
+        for result in results:
+            assert result["ddp_padding"], result
+            assert "zero update" in result[("fsdp_owner", capturable)], result
+        assert any("returned (1, 8, 15)" in r[("fsdp_owner", capturable)] and "['w']" in r[("fsdp_owner", capturable)]
+                   for r in results), results
+
+
+def _fp16_sharded_batches(rank: int, world: int) -> dict:
+    """fp16 Dion on [2, 64, 64] batches sharded by matrix, by rows or by columns: the overflow check
+    bounds the whole matrices' norms (8800 here), far below fp16's 65504, so nothing is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for dim in (0, 1, 2):
+        p = nn.Parameter(distribute_tensor(torch.zeros(2, 64, 64, dtype=torch.float16), mesh, [Shard(dim)]))
+        opt = orthoptim.Dion([("experts", p)], rank_fraction=0.25, distributed_mesh=mesh)
+        p.grad = distribute_tensor(torch.full((2, 64, 64), 1100.0, dtype=torch.float16), mesh, [Shard(dim)])
+        try:
+            opt.step()
+            out[dim] = bool(torch.isfinite(p.full_tensor()).all())
+        except orthoptim.NonFiniteGradientError as e:
+            out[dim] = str(e)
+    return out
+
+
+def test_fp16_overflow_check_of_sharded_batches_has_no_false_alarm():
+    for result in run_distributed(_fp16_sharded_batches, 2, timeout=90):
+        assert result == {0: True, 1: True, 2: True}, result
 
 
 def _uneven_blocks(rank: int, world: int) -> dict:

@@ -563,3 +563,33 @@ def test_fp16_overflow_is_checked_on_the_matrices_dion_works_on():
     p.grad = torch.full_like(p, 5000.0)
     with raises_naming(orthoptim.NonFiniteGradientError, "conv", "overflow float16"):
         opt.step()
+
+
+@pytest.mark.parametrize("name", ["muon", "normuon"])
+def test_fp16_nesterov_overflow_is_caught_with_the_rules_two_roundings(name):
+    """With Nesterov the rule rounds μM, then μM + G: 0.95·63008 rounds up, and G + μ·(new M) becomes
+    inf although a once-rounded G + μM would not."""
+    p = nn.Parameter(torch.full((4, 8), 0.1, dtype=torch.float16))
+    opt = CLASSES[name]([{"params": [p], "param_names": ["w16"]}], lr=0.01, mu=0.95, nesterov=True)
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.state[p]["momentum"].fill_(63008.0)
+    p.grad = torch.full_like(p, 4432.0)
+    with raises_naming(orthoptim.NonFiniteGradientError, "w16", "overflow float16"):
+        opt.step()
+
+
+@pytest.mark.parametrize("blocks", [{"num_heads": 4}, {"split_sizes": [16, 16, 32]}], ids=["heads", "splits"])
+def test_fp16_dion_check_measures_each_block(blocks):
+    """Dion orthogonalizes each head or split: their column norms (≤ 1e4·√32), not the whole matrix's
+    (1e4·√64 = 80000), bound its products. The same matrix without blocks does overflow."""
+    for options, overflows in ((blocks, False), ({}, True)):
+        p = nn.Parameter(torch.zeros(64, 16, dtype=torch.float16))
+        opt = orthoptim.Dion([{"params": [p], "param_names": ["qkv"], **options}], rank_fraction=0.5)
+        p.grad = torch.full_like(p, 1e4)
+        if overflows:
+            with raises_naming(orthoptim.NonFiniteGradientError, "qkv", "overflow float16"):
+                opt.step()
+        else:
+            opt.step()
+            assert torch.isfinite(p).all()

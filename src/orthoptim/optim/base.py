@@ -175,6 +175,11 @@ def _ours(fn: Callable[..., Any]) -> bool:
     return getattr(fn, "__module__", "").split(".")[0] == "orthoptim"
 
 
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured now (never on a build or machine without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
     return lambda *args: fn(*args)[0]
 
@@ -191,7 +196,7 @@ class OrthonormalOptimizer(Optimizer):
         self.capturable = capturable
         self.nonfinite_found: Tensor | None = None  # capturable: a device flag of the last step
         self._orthogonalizer_problems: list[str] = []  # what a user's orthogonalizer did wrong this step
-        self._verdict_index: tuple[list[Tensor], Tensor] | None = None  # see _positions_among
+        self._verdict_index: dict[tuple, Tensor] = {}  # see _positions_among
         self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         self._process_group = resolve_process_group(distributed_mesh)
         # Data parallel without DDP (Dion's compressed sync): this optimizer averages the gradients.
@@ -598,13 +603,14 @@ class OrthonormalOptimizer(Optimizer):
     def _positions_among(self, params: list[Tensor], everyone: list[Tensor], device: torch.device) -> Tensor:
         """Where ``params`` sit in ``everyone``, as a device index: built once per set of parameters
         (by identity), so a capturable step makes no host-to-device copy."""
-        held = self._verdict_index
-        if held is not None and len(held[0]) == len(params) and all(a is b for a, b in zip(held[0], params)):
-            return held[1]
-        position = {p: i for i, p in enumerate(everyone)}
-        index = torch.tensor([position[p] for p in params], dtype=torch.long, device=device)
-        self._verdict_index = (list(params), index)
-        return index
+        # Keyed by both sequences of identities: the index depends on nothing else, and entries stay
+        # (a captured graph may read one after an eager step with other parameters).
+        key = (tuple(map(id, everyone)), tuple(map(id, params)))
+        if key not in self._verdict_index:
+            position = {id(p): i for i, p in enumerate(everyone)}
+            self._verdict_index[key] = torch.tensor([position[id(p)] for p in params], dtype=torch.long,
+                                                    device=device)
+        return self._verdict_index[key]
 
     def _raise_if_mixed(self, mixed: Tensor) -> None:
         names = [self.param_name(p) for p, m in zip((p for g in self.param_groups for p in g["params"]),
@@ -635,32 +641,39 @@ class OrthonormalOptimizer(Optimizer):
                 # A shard holds part of each column (row) when the rows (columns) are sharded: its norm
                 # times √(number of such shards) bounds the whole one.
                 local = self._layout(p, group) == "local"  # whole matrices of a sharded batch
+                batched = p.ndim == 3 and not group["flatten"]
                 b = torch.add(m, g)
-                if local or m.shape == p.shape:
+                if local or m.shape == p.shape:  # whole matrices, cut into the blocks Dion works on
                     view = self._view(p, group, shape=tuple(m.shape) if local else None)
-                    b = b.view(view.batch, -1, view.cols)
-                else:  # a block of a sharded matrix (2-D, or a flattened conv weight)
-                    b = b.reshape(1, m.shape[0], -1)
-                row_shards, col_shards = (1, 1) if local else self._shard_counts(p)
-                cols = torch.linalg.vector_norm(b, dim=-2, dtype=torch.float32).amax() * math.sqrt(row_shards)
+                    b, blocks, (row_shards, col_shards) = b.view(view.batch, view.rows, view.cols), view.blocks, (1, 1)
+                else:  # this rank's block of sharded matrices
+                    b = b if batched else b.reshape(1, m.shape[0], -1)
+                    blocks, (row_shards, col_shards) = ((0, b.shape[1]),), self._shard_counts(p, batched)
+                cols = max(torch.linalg.vector_norm(b[:, start:start + n], dim=-2, dtype=torch.float32).amax()
+                           for start, n in blocks) * math.sqrt(row_shards)
                 rows = torch.linalg.vector_norm(b, dim=-1, dtype=torch.float32).amax() * math.sqrt(col_shards)
                 size = torch.maximum(rows, cols)
             else:
+                # As the rule computes it, in fp16, so inf exactly where it overflows: M ← G + μM in one
+                # rounding, or with Nesterov M ← μM, then + G (two), and B = G + μM.
                 mu = 1.0 if group["algorithm"] in ("dion2", "dion3") else group["mu"]
-                new = torch.add(g, m, alpha=mu)  # as the rule computes it, in fp16: inf where it overflows
+                nesterov = group["algorithm"] in ("muon", "normuon") and group["nesterov"]
+                new = m.mul(mu).add_(g) if nesterov else torch.add(g, m, alpha=mu)
                 size = new.abs().amax()
-                if group["algorithm"] in ("muon", "normuon") and group["nesterov"]:
-                    size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())  # B = G + μ·(new M)
+                if nesterov:
+                    size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits
 
     @staticmethod
-    def _shard_counts(p: Tensor) -> tuple[int, int]:
-        """How many shards split a matrix parameter's rows and its columns (1, 1 for a plain tensor)."""
+    def _shard_counts(p: Tensor, batched: bool) -> tuple[int, int]:
+        """How many shards split the rows and the columns of a parameter's matrices (``batched``: a
+        [batch, rows, cols] tensor, whose dim 0 splits whole matrices)."""
         rows = cols = 1
+        first = 1 if batched else 0
         for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
-            if isinstance(placement, Shard):
-                if placement.dim == 0:
+            if isinstance(placement, Shard) and placement.dim >= first:
+                if placement.dim == first:
                     rows *= p.device_mesh.size(mesh_dim)
                 else:
                     cols *= p.device_mesh.size(mesh_dim)
@@ -676,8 +689,7 @@ class OrthonormalOptimizer(Optimizer):
             # Ranks that disagree on which parameters have gradients would hang in the next collective:
             # checked with a host read, except while a CUDA graph is being captured (the eager warm-up
             # steps before a capture have checked the same set of parameters).
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            if mixed is not None and not capturing and bool(mixed.any()):
+            if mixed is not None and not _capturing() and bool(mixed.any()):
                 self._raise_if_mixed(mixed)
             bad = ~(finite & fits)
             held = self._nonfinite_flags
@@ -821,11 +833,11 @@ class OrthonormalOptimizer(Optimizer):
         problems, self._orthogonalizer_problems = self._orthogonalizer_problems, []
         failed = bool(problems)
         everyone = [p for g in self.param_groups for p in g["params"]]
-        # Capturable steps read nothing back: there, only this rank's problems (wrong shapes, seen on
-        # the host) are raised, and a distributed run should check its orthogonalizer eagerly first.
-        verdict_groups = self._verdict_groups(everyone) if everyone and not self.capturable else []
+        # While a CUDA graph is captured nothing is read back: only this rank's problems (wrong shapes,
+        # seen on the host) are raised then; the eager steps before a capture agree across ranks.
+        verdict_groups = self._verdict_groups(everyone) if everyone and not _capturing() else []
         if verdict_groups:
-            flag = torch.tensor([int(failed)], dtype=torch.uint8, device=_local(everyone[0]).device)
+            flag = torch.zeros(1, dtype=torch.uint8, device=_local(everyone[0]).device).fill_(int(failed))
             for group in verdict_groups:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             failed = bool(flag.item())
