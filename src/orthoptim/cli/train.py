@@ -430,9 +430,9 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
             runs[name] = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress, parallel=parallel)
         except FloatingPointError as e:
             # The library's advice names its own option; this command's are --lr and --clip.
-            message = str(e).replace("or pass nonfinite='skip' to skip such updates", "") \
-                .replace("Lower the learning rate, clip gradients, ", "Lower --lr or --scalar-lr, or set --clip")
-            raise CommandError(f"{name}: {message.rstrip(' ,')}") from None
+            what = getattr(e, "what", None)
+            message = f"{what}. Lower --lr or --scalar-lr, or set --clip" if what else str(e)
+            raise CommandError(f"{name}: {message}") from None
         if rank == 0:
             write_results(out_dir, header, runs, started)
     if rank != 0:

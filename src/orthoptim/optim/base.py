@@ -167,12 +167,15 @@ def _row_state_dtype(p: Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
-def _ours(fn: Callable[..., Any]) -> bool:
-    """Whether a callable (or the function a partial wraps) is this library's own, e.g. ``svd_polar``:
-    those are trusted, so their outputs are not read back on the host (it would stall a GPU step)."""
-    while isinstance(fn, partial):
-        fn = fn.func
-    return getattr(fn, "__module__", "").split(".")[0] == "orthoptim"
+def _users(spec: Any) -> bool:
+    """Whether a group's orthogonalizer is a callable of the user's, not a name or this library's own
+    function (e.g. ``svd_polar``, or a partial of one): only those have their outputs checked, since a
+    check reads the output back on the host (it would stall a GPU step)."""
+    if not callable(spec):
+        return False
+    while isinstance(spec, partial):
+        spec = spec.func
+    return getattr(spec, "__module__", "").split(".")[0] != "orthoptim"
 
 
 def _capturing() -> bool:
@@ -520,7 +523,7 @@ class OrthonormalOptimizer(Optimizer):
                 self._matrix_step(group, params)
             else:
                 self._scalar_step(group, params)
-        if any(callable(g["orthogonalizer"]) and not _ours(g["orthogonalizer"]) for g in self.param_groups):
+        if any(_users(g["orthogonalizer"]) for g in self.param_groups):
             self._raise_orthogonalizer_problems()
         return loss
 
@@ -537,11 +540,13 @@ class OrthonormalOptimizer(Optimizer):
             flat /= world
             torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
 
-    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]]) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],
+                verdict_groups: list[dist.ProcessGroup]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
         on by every rank: is its gradient finite, and does this step's momentum fit its dtype (see
         ``_momentum_fits``)? Distributed, also one bool per parameter of the optimizer: does it have a
-        gradient on some ranks and none on others (else None)."""
+        gradient on some ranks and none on others (else None). ``everyone``, ``verdict_groups``: see
+        ``_verdict_scope``."""
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(f"parameter {self.param_name(p)} has a sparse gradient; orthoptim needs dense ones")
@@ -552,7 +557,6 @@ class OrthonormalOptimizer(Optimizer):
                 )
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [_local(p.grad) for p in params]
-        everyone = [p for g in self.param_groups for p in g["params"]]
         # A rank whose parameters have no gradients this step still takes part in the verdict.
         device = grads[0].device if grads else _local(everyone[0]).device
 
@@ -579,7 +583,6 @@ class OrthonormalOptimizer(Optimizer):
                 suspects = (~finite).nonzero().flatten().tolist()
                 finite[suspects] = extremes_finite([grads[i] for i in suspects])
         fits = self._momentum_fits(params, groups, device)
-        verdict_groups = self._verdict_groups(everyone)
         if not verdict_groups:
             return finite, fits, None
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
@@ -613,8 +616,7 @@ class OrthonormalOptimizer(Optimizer):
         return self._verdict_index[key]
 
     def _raise_if_mixed(self, mixed: Tensor) -> None:
-        names = [self.param_name(p) for p, m in zip((p for g in self.param_groups for p in g["params"]),
-                                                    mixed.tolist()) if m]
+        names = [self.param_name(p) for p, m in zip(self._all_params(), mixed.tolist()) if m]
         raise ValueError(
             f"parameters {names} have a gradient on some ranks and none on others; every rank must give the "
             "same parameters gradients (set unused ones to zeros, e.g. p.grad = torch.zeros_like(p), or use "
@@ -683,9 +685,9 @@ class OrthonormalOptimizer(Optimizer):
         """Capturable: record which gradients are non-finite without reading the verdict back."""
         params = [p for _, ps in work for p in ps]
         # A rank without gradients still joins the verdict's all-reduce.
-        everyone = [p for g in self.param_groups for p in g["params"]]
-        if params or (everyone and self._verdict_groups(everyone)):
-            finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps])
+        everyone, verdict_groups = self._verdict_scope()
+        if params or verdict_groups:
+            finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps], everyone, verdict_groups)
             # Ranks that disagree on which parameters have gradients would hang in the next collective:
             # checked with a host read, except while a CUDA graph is being captured (the eager warm-up
             # steps before a capture have checked the same set of parameters).
@@ -720,10 +722,10 @@ class OrthonormalOptimizer(Optimizer):
 
     def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         params = [p for _, ps in work for p in ps]
-        everyone = [p for g in self.param_groups for p in g["params"]]
-        if not params and not (everyone and self._verdict_groups(everyone)):
+        everyone, verdict_groups = self._verdict_scope()
+        if not params and not verdict_groups:
             return work
-        finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps])
+        finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps], everyone, verdict_groups)
         ok = finite & fits
         # One host read of the whole verdict.
         all_ok, any_mixed = torch.stack([ok.all(), mixed.any() if mixed is not None else ok.new_zeros(())]).tolist()
@@ -731,25 +733,35 @@ class OrthonormalOptimizer(Optimizer):
             self._raise_if_mixed(mixed)
         if all_ok:
             return work
-        overflow = "a finite gradient, but this step's momentum would overflow float16 (above 65504) and turn " \
-                   "the weights into NaN"
-        bad = {p: "a non-finite gradient (NaN or Inf)" if not grad_ok else overflow
-               for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist()) if not step_ok}
+        reasons = {  # gradient finite? → (what is wrong, how to fix it)
+            False: ("a non-finite gradient (NaN or Inf)", "Lower the learning rate, clip gradients"),
+            True: ("a finite gradient, but this step's momentum would overflow float16 (above 65504) and turn "
+                   "the weights into NaN", "Keep such parameters in bfloat16 or float32, scale the loss or "
+                   "gradients down"),
+        }
+        bad = {p: reasons[grad_ok] for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist()) if not step_ok}
         for group, ps in work:
             for p in ps:
                 if p in bad and group["nonfinite"] == "raise":
-                    fix = "Lower the learning rate, clip gradients" if "non-finite" in bad[p] else \
-                        "Keep such parameters in bfloat16 or float32, scale the loss or gradients down"
-                    raise NonFiniteGradientError(
-                        f"parameter {self.param_name(p)} has {bad[p]}; no parameter or state was changed. "
-                        f"{fix}, or pass nonfinite='skip' to skip such updates"
-                    )
-        for p, why in bad.items():
+                    why, fix = bad[p]
+                    what = f"parameter {self.param_name(p)} has {why}; no parameter or state was changed"
+                    error = NonFiniteGradientError(f"{what}. {fix}, or pass nonfinite='skip' to skip such updates")
+                    error.what = what  # without the advice, for callers that give their own (the CLI)
+                    raise error
+        for p, (why, _) in bad.items():
             warnings.warn(
                 f"parameter {self.param_name(p)} has {why}; its update was skipped this step",
                 stacklevel=3,
             )
         return [(g, [p for p in ps if p not in bad]) for g, ps in work]
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _verdict_scope(self) -> tuple[list[Tensor], list[dist.ProcessGroup]]:
+        """Every parameter of the optimizer, and the groups its step's verdicts are agreed over."""
+        everyone = self._all_params()
+        return everyone, self._verdict_groups(everyone) if everyone else []
 
     def _verdict_groups(self, params: list[Tensor]) -> list[dist.ProcessGroup]:
         """Every group over which gradients may differ: the optimizer's meshes, in a fixed order, and
@@ -778,52 +790,57 @@ class OrthonormalOptimizer(Optimizer):
         NaNs would reach the parameters, both silently. A failing batch gets a zero update and the step
         ends with an error (``_raise_orthogonalizer_problems``). (Non-finite output is checked with a
         host read, so not in capturable steps.)"""
-        def run(u: Tensor) -> Tensor:
-            try:
-                out = fn(u)
-            except Exception as e:  # any failure of a user's function: reported after the step, on every rank
-                self._report(fn, f"raised {type(e).__name__}: {e}", names)
-                return torch.zeros_like(u)
-            problem = None
+        def problem(u: Tensor, out: Any) -> str | None:
             if not isinstance(out, Tensor) or out.shape != u.shape:
                 got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-                problem = f"returned {got} for a batch of shape {tuple(u.shape)}; it must return the same shape"
-            elif not self.capturable and not bool(torch.isfinite(out).all()):
-                problem = "returned non-finite values (NaN or Inf) for a finite batch" if bool(
+                return f"returned {got} for a batch of shape {tuple(u.shape)}; it must return the same shape"
+            if not self.capturable and not bool(torch.isfinite(out).all()):
+                return "returned non-finite values (NaN or Inf) for a finite batch" if bool(
                     torch.isfinite(u).all()) else "was given a non-finite batch (the momentum holds NaN or Inf)"
-            if problem is None:
-                return out
-            # Not raised here: distributed, this may run on one rank only (an owner of whole rows, a
-            # share of a batch) while the others wait in a collective. A zero update stands in, the
-            # step completes on every rank, and step() raises on all of them together.
-            self._report(fn, problem, names)
-            return torch.zeros_like(u)
-        return run
+            return None
+
+        return lambda u: self._call_checked(fn, u, names, problem, lambda: torch.zeros_like(u))
 
     def _checked_factors(self, fn: Callable[[Tensor], PolarFactors], names: list[str]) -> Callable[..., PolarFactors]:
         """A user's factored orthogonalizer (its ``factored`` attribute), checked as ``_checked`` checks
         products: [B, k, k] and [B, k, n] factors of the short side, finite; else zero factors."""
-        def run(u: Tensor) -> PolarFactors:
+        def shapes(u: Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int], bool]:
             b, rows, cols = u.shape
             k, n = min(rows, cols), max(rows, cols)
-            zero = PolarFactors(u.new_zeros((b, k, k)), u.new_zeros((b, k, n)), rows > cols)
-            try:
-                out = fn(u)
-            except Exception as e:  # any failure of a user's function: reported after the step, on every rank
-                self._report(fn, f"raised {type(e).__name__}: {e}", names)
-                return zero
-            problem = None
-            if not isinstance(out, PolarFactors) or tuple(out.left.shape) != (b, k, k) or \
-                    tuple(out.right.shape) != (b, k, n) or out.transposed != (rows > cols):
-                problem = (f"returned {out!r:.200} for a batch of shape {tuple(u.shape)}; it must return "
-                           f"PolarFactors([{b}, {k}, {k}], [{b}, {k}, {n}], transposed={rows > cols})")
-            elif not self.capturable and not bool(torch.isfinite(out.left).all() & torch.isfinite(out.right).all()):
-                problem = "returned non-finite factors (NaN or Inf)"
-            if problem is None:
-                return out
-            self._report(fn, problem, names)
-            return zero
-        return run
+            return (b, k, k), (b, k, n), rows > cols
+
+        def problem(u: Tensor, out: Any) -> str | None:
+            left, right, transposed = shapes(u)
+            if not isinstance(out, PolarFactors) or tuple(out.left.shape) != left or \
+                    tuple(out.right.shape) != right or out.transposed != transposed:
+                return (f"returned {out!r:.200} for a batch of shape {tuple(u.shape)}; it must return "
+                        f"PolarFactors({list(left)}, {list(right)}, transposed={transposed})")
+            if not self.capturable and not bool(torch.isfinite(out.left).all() & torch.isfinite(out.right).all()):
+                return "returned non-finite factors (NaN or Inf)"
+            return None
+
+        def zero(u: Tensor) -> PolarFactors:
+            left, right, transposed = shapes(u)
+            return PolarFactors(u.new_zeros(left), u.new_zeros(right), transposed)
+
+        return lambda u: self._call_checked(fn, u, names, problem, lambda: zero(u))
+
+    def _call_checked(self, fn: Callable[[Tensor], Any], u: Tensor, names: list[str],
+                      problem: Callable[[Tensor, Any], str | None], zero: Callable[[], Any]) -> Any:
+        """``fn(u)``, or ``zero()`` when it raises or ``problem(u, out)`` finds something wrong. Not raised
+        here: distributed, this may run on one rank only (an owner of whole rows, a share of a batch)
+        while the others wait in a collective. A zero update stands in, the step completes on every
+        rank, and step() raises on all of them together."""
+        try:
+            out = fn(u)
+        except Exception as e:  # any failure of a user's function: reported after the step, on every rank
+            self._report(fn, f"raised {type(e).__name__}: {e}", names)
+            return zero()
+        found = problem(u, out)
+        if found is None:
+            return out
+        self._report(fn, found, names)
+        return zero()
 
     def _report(self, fn: Callable[..., Any], problem: str, names: list[str]) -> None:
         self._orthogonalizer_problems.append(f"orthogonalizer {fn!r} {problem} (parameters {names})")
@@ -832,10 +849,9 @@ class OrthonormalOptimizer(Optimizer):
         """After a step with a user's orthogonalizer: raise on every rank if it failed on any."""
         problems, self._orthogonalizer_problems = self._orthogonalizer_problems, []
         failed = bool(problems)
-        everyone = [p for g in self.param_groups for p in g["params"]]
         # While a CUDA graph is captured nothing is read back: only this rank's problems (wrong shapes,
         # seen on the host) are raised then; the eager steps before a capture agree across ranks.
-        verdict_groups = self._verdict_groups(everyone) if everyone and not _capturing() else []
+        everyone, verdict_groups = self._verdict_scope() if not _capturing() else ([], [])
         if verdict_groups:
             flag = torch.zeros(1, dtype=torch.uint8, device=_local(everyone[0]).device).fill_(int(failed))
             for group in verdict_groups:
@@ -952,7 +968,7 @@ class OrthonormalOptimizer(Optimizer):
             elif algorithm == "dion":
                 ranks = self._dion_ranks(view, group["rank_fraction"])
                 # Q holds every matrix of the whole batch; a "local" shard's matrices start further in.
-                first = self._local_batch_offset(p) * len(view.blocks) if layout == "local" else 0
+                first = self._local_batch_range(p)[1] * len(view.blocks) if layout == "local" else 0
                 extra = [state["Q"][first + i, :, :r] for i, r in enumerate(ranks)]
             else:
                 extra = [None] * view.num_matrices
@@ -972,16 +988,18 @@ class OrthonormalOptimizer(Optimizer):
             layout, (rows, cols) = batch[0].layout, batch[0].full_shape
             common = {"lr": lr, "weight_decay_rate": wd, "scale": rules.lr_scale(rows, cols, group["adjust_lr"])}
             orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
-            if orthogonalize is not None and callable(group["orthogonalizer"]) and not _ours(group["orthogonalizer"]):
-                orthogonalize = self._checked(orthogonalize, list(dict.fromkeys(m.name for m in batch)))
+            checked = _users(group["orthogonalizer"])  # a user's callable: its outputs are checked
+            names = list(dict.fromkeys(m.name for m in batch)) if checked else []
+            if orthogonalize is not None and checked:
+                orthogonalize = self._checked(orthogonalize, names)
             finish = None
             select = None
             # Nothing communicated: the iteration's last product can write into the parameters.
             factors = None
             if layout == "replicated" and self._process_group is None and algorithm == "muon":
                 factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
-                if factors is not None and callable(group["orthogonalizer"]) and not _ours(group["orthogonalizer"]):
-                    factors = self._checked_factors(factors, list(dict.fromkeys(m.name for m in batch)))
+                if factors is not None and checked:
+                    factors = self._checked_factors(factors, names)
             if layout == "row_sharded":
                 plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):
@@ -1042,11 +1060,13 @@ class OrthonormalOptimizer(Optimizer):
     def _expert_mesh_dim(p: Tensor) -> int:
         return next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
 
-    def _local_batch_offset(self, p: Tensor) -> int:
-        """Index of this rank's first matrix in a ``Shard(0)`` batch of matrices (torch.chunk-style)."""
+    def _local_batch_range(self, p: Tensor) -> tuple[int, int, int]:
+        """For a ``Shard(0)`` batch of matrices (torch.chunk-style): the mesh dimension it is sharded
+        over, the index of this rank's first matrix and how many it holds."""
         dim = self._expert_mesh_dim(p)
         sizes = shard_rows(p.shape[0], p.device_mesh.size(dim))
-        return sum(sizes[: p.device_mesh.get_local_rank(dim)])
+        rank = p.device_mesh.get_local_rank(dim)
+        return dim, sum(sizes[:rank]), sizes[rank]
 
     def _share_local_right_factors(self, p: Tensor) -> None:
         """Dion on a ``Shard(0)`` batch of matrices: each rank updated the right factors of its own
@@ -1054,10 +1074,8 @@ class OrthonormalOptimizer(Optimizer):
         every other layout is) and a checkpoint saved from any rank holds every matrix's."""
         q = self.state[p]["Q"]
         per_batch = q.view(p.shape[0], -1, *q.shape[1:])  # [batch, blocks of one matrix, cols, r]
-        dim = self._expert_mesh_dim(p)
-        sizes = shard_rows(p.shape[0], p.device_mesh.size(dim))
-        first = self._local_batch_offset(p)
-        own = per_batch[first: first + sizes[p.device_mesh.get_local_rank(dim)]]
+        dim, first, count = self._local_batch_range(p)
+        own = per_batch[first: first + count]
         placements = [Shard(0) if i == dim else Replicate() for i in range(p.device_mesh.ndim)]
         whole = DTensor.from_local(own.contiguous(), p.device_mesh, placements, shape=per_batch.shape,
                                    stride=per_batch.stride())
