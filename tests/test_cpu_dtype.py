@@ -14,8 +14,10 @@ import torch
 
 import orthoptim
 from orthoptim.kernels import cpu_dtype
-from orthoptim.orthogonalize import BF16_RESTARTS, DEFAULT_RESTARTS, gram_newton_schulz, newton_schulz
+from orthoptim.orthogonalize import BF16_RESTARTS, DEFAULT_RESTARTS, gram_newton_schulz, input_dtype, newton_schulz
 from orthoptim.orthogonalize._common import normalize
+from orthoptim.rules import momentum as momentum_rules
+from orthoptim.rules.momentum import accumulate_and_stack
 from tests.reference_rules import exact_polar_batch
 
 
@@ -200,3 +202,51 @@ def test_optimizers_under_the_bf16_default(name, monkeypatch):
         moved = (f - s).norm()
         assert moved > 0
         assert ((b - f).norm() / moved).item() < 0.05  # the update differs by bf16 rounding only
+
+
+@pytest.mark.parametrize(("env", "expected"), [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_input_dtype_is_the_dtype_a_named_iteration_rounds_to(monkeypatch, env, expected):
+    monkeypatch.setenv(cpu_dtype.ENV_VAR, env)
+    x = _gaussian(2, 8, 16)
+    for name in ("polar_express", "newton_schulz", "gram"):
+        assert input_dtype(name, x) == expected
+    assert input_dtype("polar_express", x.double()) == torch.float64
+    assert input_dtype("polar_express", x, dtype=torch.float16) is None  # fp16's X Xᵀ would overflow
+    assert input_dtype("svd", x) is None and input_dtype(newton_schulz, x) is None
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_batch_stacked_in_bf16_is_the_rounded_fp32_one(nesterov):
+    shapes = [(8, 12)] * 3
+    grads = [_gaussian(*s, seed=i) for i, s in enumerate(shapes)]
+    momenta = [_gaussian(*s, seed=10 + i) for i, s in enumerate(shapes)]
+    copies = [m.clone() for m in momenta]
+    fp32 = accumulate_and_stack(copies, grads, 0.9, nesterov)
+    bf16 = accumulate_and_stack(momenta, grads, 0.9, nesterov, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert all(torch.equal(m, c) for m, c in zip(momenta, copies))  # the state stays fp32, the same
+    assert torch.equal(bf16, fp32.to(torch.bfloat16))
+    for i, (s, g, m) in enumerate(zip(shapes, grads, momenta)):  # M ← μM + G, to fp32 rounding
+        torch.testing.assert_close(m, _gaussian(*s, seed=10 + i) * 0.9 + g, rtol=1e-6, atol=1e-6)
+
+
+def test_muon_hands_its_named_iteration_a_bf16_batch(monkeypatch):
+    """Under the bf16 default, Muon stacks its momenta in bf16 for a named iteration (no fp32 batch),
+    and in fp32 for a user's callable, which gets the momentum's dtype."""
+    seen = []
+    original = momentum_rules.accumulate_and_stack
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(momentum_rules, "accumulate_and_stack", spy)
+    _run("muon", monkeypatch, "bfloat16")
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    _run("muon", monkeypatch, "bfloat16", partial(newton_schulz, dtype=torch.bfloat16))
+    assert seen and set(seen) == {torch.float32}
+    seen.clear()
+    _run("muon", monkeypatch, "float32")
+    assert seen and set(seen) == {torch.float32}

@@ -422,6 +422,42 @@ def test_zero_matrix_stays_finite(fn, dtype):
         assert y.abs().max().item() == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fn", [newton_schulz, gram_newton_schulz], ids=lambda f: f.__name__)
+def test_a_norm_that_overflows_gives_zero_not_nan(fn, dtype):
+    """The iterations divide by ‖X‖_F at the first X Xᵀ (its trace). Where that overflows, the polar
+    factor is 0, as a quotient by an infinite norm gives, never NaN; the other matrices are as alone."""
+    a = make_input("random", (), 16, 64, torch.float32)
+    batch = torch.stack([a * 1e20, a]).to(dtype)  # ‖·‖_F² ≈ 1e42: beyond fp32's and bf16's range
+    y = fn(batch, dtype=dtype)
+    assert torch.isfinite(y).all()
+    assert y[0].abs().max().item() == 0.0
+    assert torch.equal(y[1], fn(batch[1:], dtype=dtype)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 16, 64), (2, 64, 16), (2, 24, 24)], ids=str)
+@pytest.mark.parametrize("fn", [newton_schulz, gram_newton_schulz], ids=lambda f: f.__name__)
+def test_the_input_is_never_written(fn, shape, dtype):
+    """An input already in the working dtype is the iteration's first X (no copy): its products must
+    go to buffers of their own."""
+    x = make_input("random", shape[:1], *shape[1:], torch.float32).to(dtype)
+    before = x.clone()
+    y = fn(x, dtype=dtype)
+    assert torch.equal(x, before)
+    assert torch.equal(y, fn(x.clone(), dtype=dtype))
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e8])
+@pytest.mark.parametrize("fn", [newton_schulz, gram_newton_schulz], ids=lambda f: f.__name__)
+def test_the_result_does_not_depend_on_the_inputs_scale(fn, scale):
+    """Normalizing at the first Gram matrix: a scaled input has the same polar factor, up to the
+    rounding of the (scaled) trace. (eps = 0: its 1e-7 would weigh on a norm of 1e-5.)"""
+    x = make_input("random", (3,), 16, 64, torch.float64)
+    y = fn(x, dtype=torch.float64, eps=0.0)
+    assert (fn(x * scale, dtype=torch.float64, eps=0.0) - y).abs().max().item() < 1e-12
+
+
 @pytest.mark.parametrize("fn", [newton_schulz, gram_newton_schulz], ids=lambda f: f.__name__)
 def test_each_matrix_is_normalized_on_its_own(fn):
     """A batch mixing a huge, a zero and a tiny matrix: each comes out as if processed alone."""

@@ -29,25 +29,29 @@ def backend(x: Tensor, size: int | None = None) -> str:
     return "triton" if select.use_triton(x, size=size, module=_SYMMETRIC) else "torch"
 
 
-def gram(x: Tensor) -> Tensor:
-    """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric)."""
+def gram(x: Tensor, out: Tensor | None = None) -> Tensor:
+    """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric).
+
+    ``out`` (here and below): where the torch backend writes the result. The Triton and QuACK
+    kernels return fresh tensors, so callers use the returned tensor, not ``out``.
+    """
     if select.use_quack(x, size=x.shape[-2]) and (out := quack_symmetric.gram(x)) is not None:
         return out
     if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).gram(x)
-    return torch_backend.gram(x)
+    return torch_backend.gram(x, out=out)
 
 
-def symmetric_polynomial(r: Tensor, a: float, b: float, c: float) -> Tensor:
-    """a I + b R + c R² for a batch of symmetric R [B, k, k]."""
+def symmetric_polynomial(r: Tensor, a: float, b: float, c: float, out: Tensor | None = None) -> Tensor:
+    """a I + b R + c R² for a batch of symmetric R [B, k, k] (``out``, if given, must not be ``r``)."""
     if select.use_quack(r, size=r.shape[-1]) and (out := quack_symmetric.symmetric_polynomial(r, a, b, c)) is not None:
         return out
     if select.use_triton(r, size=r.shape[-1], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).symmetric_polynomial(r, a, b, c)
-    return torch_backend.symmetric_polynomial(r, a, b, c)
+    return torch_backend.symmetric_polynomial(r, a, b, c, out=out)
 
 
-def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
+def symmetric_product(p: Tensor, q: Tensor, out: Tensor | None = None) -> Tensor:
     """P Q for batches of symmetric P, Q [B, k, k] that commute (e.g. polynomials in one matrix R).
 
     The result is then symmetric, which the Triton kernel relies on: it computes the lower half only.
@@ -57,7 +61,7 @@ def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
         return out
     if p.dtype == q.dtype and select.use_triton(p, q, size=p.shape[-1], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).symmetric_product(p, q)
-    return torch_backend.symmetric_product(p, q)
+    return torch_backend.symmetric_product(p, q, out=out)
 
 
 def dion3_post_update(

@@ -21,9 +21,10 @@ def symmetric_polynomial(r: Tensor, a: float, b: float, c: float, out: Tensor | 
     return p
 
 
-def symmetric_product(p: Tensor, q: Tensor) -> Tensor:
-    """P Q for batches of symmetric, commuting P, Q [B, k, k] (so P Q is symmetric)."""
-    return torch.bmm(p, q)
+def symmetric_product(p: Tensor, q: Tensor, out: Tensor | None = None) -> Tensor:
+    """P Q for batches of symmetric, commuting P, Q [B, k, k] (so P Q is symmetric), written into ``out``
+    (neither ``p`` nor ``q``) when given."""
+    return torch.bmm(p, q, out=out)
 
 
 def row_sums_of_squares(o: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from orthoptim.orthogonalize import (
     PolarFactors,
     get_factored_orthogonalizer,
     get_orthogonalizer,
+    input_dtype,
     normalize_columns,
 )
 from orthoptim.rules.normalization import orthogonalize_and_normalize
@@ -995,11 +996,14 @@ class OrthonormalOptimizer(Optimizer):
             finish = None
             select = None
             # Nothing communicated: the iteration's last product can write into the parameters.
-            factors = None
+            factors = stack_dtype = None
             if layout == "replicated" and self._process_group is None and algorithm == "muon":
-                factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
+                spec = group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm]
+                factors = get_factored_orthogonalizer(spec)
                 if factors is not None and checked:
                     factors = self._checked_factors(factors, names)
+                elif factors is not None:  # a named iteration: stack the batch in the dtype it runs in
+                    stack_dtype = input_dtype(spec, ms[0])
             if layout == "row_sharded":
                 plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):
@@ -1020,7 +1024,7 @@ class OrthonormalOptimizer(Optimizer):
                 orthogonalize = self._share(orthogonalize)
             if algorithm == "muon":
                 rules.muon_update(xs, gs, ms, mu=group["mu"], nesterov=group["nesterov"],
-                                  orthogonalize=orthogonalize, factors=factors, **common)
+                                  orthogonalize=orthogonalize, factors=factors, stack_dtype=stack_dtype, **common)
             elif algorithm == "normuon":
                 rules.normuon_update(xs, gs, ms, es, mu=group["mu"], nesterov=group["nesterov"],
                                      beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,

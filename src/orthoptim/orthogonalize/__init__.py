@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import torch
 from torch import Tensor
 
-from orthoptim.orthogonalize._common import PolarFactors
+from orthoptim.orthogonalize._common import WIDE_RANGE, PolarFactors, working_dtype
 from orthoptim.orthogonalize.coefficients import (
     KELLER_JORDAN,
     POLAR_EXPRESS,
@@ -59,6 +60,21 @@ def get_orthogonalizer(spec: str | Orthogonalizer, name: str = "orthogonalizer")
     )
 
 
+def input_dtype(spec: str | Orthogonalizer, x: Tensor, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype the named iteration ``spec`` would first round a batch like ``x`` to, when it can take
+    the batch in that dtype directly (a bf16 or fp32 iteration; see ``_common.start``); else None.
+
+    A caller that builds the batch (Muon stacks its momenta) can then write it in that dtype: the
+    iteration does the same work on it, without a full-precision copy to read and round.
+    ``dtype`` is the iteration's explicit ``dtype=``, if one was given to it.
+    """
+    if not isinstance(spec, str) or spec not in FACTORED_ORTHOGONALIZERS:
+        return None
+    accelerator_default = torch.float16 if spec == "gram" else torch.bfloat16
+    work = working_dtype(x, dtype, accelerator_default)
+    return work if work in WIDE_RANGE else None
+
+
 def get_factored_orthogonalizer(spec: str | Orthogonalizer) -> Callable[[Tensor], PolarFactors] | None:
     """The factored form of an orthogonalizer, or None: a named iteration's, or a callable's
     ``factored`` attribute (a function [B, k, n] → PolarFactors computing the same thing); "svd" and
@@ -84,6 +100,7 @@ __all__ = [
     "get_orthogonalizer",
     "gram_newton_schulz",
     "gram_newton_schulz_factors",
+    "input_dtype",
     "newton_schulz",
     "newton_schulz_factors",
     "normalize_columns",

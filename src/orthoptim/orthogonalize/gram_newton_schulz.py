@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from orthoptim import kernels
-from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize, working_dtype
+from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize_gram_, start, working_dtype
 from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
 from orthoptim.orthogonalize.newton_schulz import newton_schulz_factors
 
@@ -69,22 +69,61 @@ def gram_newton_schulz_factors(
     transposed = k > n
     if transposed:
         batch = batch.mT
-    X = normalize(batch, work, eps)
-
-    R = kernels.gram(X)
+    X, unnormalized, owned = start(batch, work, eps)
+    # Products into buffers that later ones reuse where the torch backend computes them (on CPUs
+    # fresh memory costs page faults; see newton_schulz); the Triton and QuACK kernels return theirs.
+    spare = _Buffers(X, X.shape[-2], owned)
+    R = kernels.gram(X, out=spare.matrix())
+    scale = normalize_gram_(R, eps) if unnormalized else None  # X₀/‖X₀‖ is scale · X
     Q: Tensor | None = None  # None stands for the identity
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
         if i in restart_at and Q is not None:
-            X = torch.bmm(Q, X)
-            R = kernels.gram(X)
+            if scale is not None:
+                Q, scale = Q.mul_(scale), None
+            X = torch.bmm(Q, X, out=spare.batch(X))
+            R = kernels.gram(X, out=spare.matrix(Q))
             Q = None
-        P = kernels.symmetric_polynomial(R, a, b, c)
+        P = kernels.symmetric_polynomial(R, a, b, c, out=spare.matrix(R, Q))
         # Q, P and R are polynomials in the R of the last restart: they commute and every product
         # below is symmetric, which lets the kernels compute only half of each.
-        Q = P if Q is None else kernels.symmetric_product(Q, P)
+        Q = P if Q is None else kernels.symmetric_product(Q, P, out=spare.matrix(Q, P, R))
         # R ← P R P, skipped where nothing reads it (last iteration, or a restart comes next).
         if i < last and (i + 1) not in restart_at:
-            R = kernels.symmetric_product(P, kernels.symmetric_product(R, P))
+            RP = kernels.symmetric_product(R, P, out=spare.matrix(R, P, Q))
+            R = kernels.symmetric_product(P, RP, out=spare.matrix(P, RP, Q))
     assert Q is not None  # coefficient sets are never empty, and each iteration sets Q
+    if scale is not None:
+        Q = Q.mul_(scale)
     return PolarFactors(Q, X, transposed)
+
+
+class _Buffers:
+    """Reusable outputs for one iteration's products: k×k matrices, and X batches for the restarts.
+
+    ``matrix(*live)`` returns a [B, k, k] buffer that none of the ``live`` tensors occupy (the
+    iteration never needs more than four at once); ``batch(x)`` a contiguous one for the X computed
+    from ``x``: the first X itself once it has been read, if the iteration ``owns`` it (it is not the
+    caller's tensor), else a new one.
+    """
+
+    def __init__(self, x: Tensor, k: int, owned: bool):
+        self._x = x
+        self._shape = (x.shape[0], k, k)
+        self._matrices: list[Tensor] = []
+        self._batches: list[Tensor] = [x] if owned and x.is_contiguous() else []
+
+    def matrix(self, *live: Tensor | None) -> Tensor:
+        taken = {t.data_ptr() for t in live if t is not None}
+        for buffer in self._matrices:
+            if buffer.data_ptr() not in taken:
+                return buffer
+        self._matrices.append(self._x.new_empty(self._shape))
+        return self._matrices[-1]
+
+    def batch(self, x: Tensor) -> Tensor:
+        for buffer in self._batches:
+            if buffer.data_ptr() != x.data_ptr():
+                return buffer
+        self._batches.append(torch.empty(x.shape, dtype=x.dtype, device=x.device))
+        return self._batches[-1]

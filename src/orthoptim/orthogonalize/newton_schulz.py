@@ -9,7 +9,7 @@ from torch import Tensor
 
 from orthoptim import kernels
 from orthoptim.kernels import torch_backend
-from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize, working_dtype
+from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize_gram_, start, working_dtype
 from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
 
 
@@ -52,30 +52,26 @@ def newton_schulz_factors(
     transposed = batch.shape[-2] > batch.shape[-1]
     if transposed:
         batch = batch.mT
-    X = normalize(batch, working_dtype(x, dtype, torch.bfloat16), eps)
+    X, unnormalized, owned = start(batch, working_dtype(x, dtype, torch.bfloat16), eps)
     # The products write into buffers that serve every iteration: A and its polynomial P (torch
     # backend), and two for X. A fresh tensor per product is free on GPUs, but on CPUs each one is
     # new memory whose page faults cost 10-20 % of a bf16 iteration at 512×512. Both X buffers are
-    # contiguous: a tall input's normalized X may have a transposed layout, and a CPU product
-    # written into such an output runs over 1000x slower.
+    # contiguous: a tall input's first X may have a transposed layout, and a CPU product written
+    # into such an output runs over 1000x slower. The caller's tensor is never written.
+    products = kernels if symmetric_kernels else torch_backend
     k = X.shape[-2]
     A = P = None
-    if not symmetric_kernels:
+    if products is torch_backend or kernels.backend(X, size=k) == "torch":
         A = X.new_empty((X.shape[0], k, k))
         P = torch.empty_like(A)
-    buffers = (X.new_empty(X.shape), X if X.is_contiguous() else X.new_empty(X.shape))
+    buffers = (X.new_empty(X.shape), X if owned and X.is_contiguous() else X.new_empty(X.shape))
     last = len(coeffs) - 1
     for i, (a, b, c) in enumerate(coeffs):
-        P = _polynomial(X, a, b, c, symmetric_kernels, A, P)
+        A = products.gram(X, out=A)
+        scale = normalize_gram_(A, eps) if unnormalized and i == 0 else None
+        P = products.symmetric_polynomial(A, a, b, c, out=P)
+        if scale is not None:  # P · X₀/‖X₀‖ = (P/‖X₀‖) · X₀
+            P.mul_(scale)
         if i < last:
             X = torch.bmm(P, X, out=buffers[i % 2])
     return PolarFactors(P, X, transposed)
-
-
-def _polynomial(X: Tensor, a: float, b: float, c: float, symmetric_kernels: bool,
-                gram_out: Tensor | None, out: Tensor | None) -> Tensor:
-    """aI + bA + cA² with A = X Xᵀ (symmetric): through the kernels' symmetric products, or the torch
-    products written into ``gram_out`` (A) and ``out``."""
-    if symmetric_kernels:
-        return kernels.symmetric_polynomial(kernels.gram(X), a, b, c)
-    return torch_backend.symmetric_polynomial(torch_backend.gram(X, out=gram_out), a, b, c, out=out)

@@ -13,18 +13,28 @@ def accumulate_(momenta: list[Tensor], grads: list[Tensor], mu: float) -> None:
     torch._foreach_add_(momenta, grads)
 
 
-def accumulate_and_stack(momenta: list[Tensor], grads: list[Tensor], mu: float, nesterov: bool) -> Tensor:
+def accumulate_and_stack(momenta: list[Tensor], grads: list[Tensor], mu: float, nesterov: bool,
+                         dtype: torch.dtype | None = None) -> Tensor:
     """M ← μ M + G in place, and the matrix to orthogonalize as one batch: M, or G + μ M with Nesterov.
 
-    Without Nesterov the new M is written once, into the batch, and copied back: 5 passes over
-    momentum-sized memory instead of 7 (scale, add, then stack).
+    ``dtype``: the batch's (default: the momentum's). A polar iteration that rounds its input to bf16
+    first takes it in bf16 directly: half the bytes written, and no full-precision batch to read back.
+    Without Nesterov and in the momentum's dtype, the new M is written once, into the batch, and
+    copied back; otherwise M ← G + μM is one pass per matrix (a scale, then an add, would be two).
     """
     m0 = momenta[0]
-    out = torch.empty((len(momenta), *m0.shape), dtype=m0.dtype, device=m0.device)
-    if nesterov:
-        accumulate_(momenta, grads, mu)
-    for i, (m, g) in enumerate(zip(momenta, grads)):
-        torch.add(g, m, alpha=mu, out=out[i])
-    if not nesterov:
+    dtype = m0.dtype if dtype is None else dtype
+    out = torch.empty((len(momenta), *m0.shape), dtype=dtype, device=m0.device)
+    if not nesterov and dtype == m0.dtype:
+        for i, (m, g) in enumerate(zip(momenta, grads)):
+            torch.add(g, m, alpha=mu, out=out[i])
         torch._foreach_copy_(momenta, list(out.unbind(0)))
+        return out
+    for m, g in zip(momenta, grads):
+        torch.add(g, m, alpha=mu, out=m)
+    for i, (m, g) in enumerate(zip(momenta, grads)):
+        if nesterov:  # rounded once to ``dtype``
+            torch.add(g, m, alpha=mu, out=out[i])
+        else:
+            out[i].copy_(m)
     return out

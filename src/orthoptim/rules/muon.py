@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor
 
 from orthoptim.orthogonalize import PolarFactors
@@ -22,13 +23,16 @@ def muon_update(
     scale: float,
     orthogonalize: Callable[[Tensor], Tensor],
     factors: Callable[[Tensor], PolarFactors] | None = None,
+    stack_dtype: torch.dtype | None = None,
 ) -> None:
     """One Muon step for a megabatch of same-shape matrices (lists of [m, n] views).
 
     ``factors``: the same orthogonalizer in factored form (``orthoptim.orthogonalize.PolarFactors``),
     when the parameters are at hand: its last product then lands in the parameters directly.
+    ``stack_dtype``: the dtype of the batch handed to the orthogonalizer (default: the momentum's),
+    e.g. the one a polar iteration rounds its input to anyway (``orthogonalize.input_dtype``).
     """
-    update_input = momentum.accumulate_and_stack(momenta, grads, mu, nesterov)
+    update_input = momentum.accumulate_and_stack(momenta, grads, mu, nesterov, stack_dtype)
     if factors is not None:
         weight_decay.apply_polar_factors_(params, factors(update_input), lr, weight_decay_rate, scale)
         return
