@@ -281,3 +281,42 @@ def test_step_phases_times_the_phases_and_restores_the_functions(tmp_path, capsy
     timed = sum(r["median_ms"] for p, r in rows.items() if not p.startswith("not in"))
     assert 0 < timed <= 1.05 * max(result["step_ms"])
     assert [owner.__dict__.get(fn) for owner, fn, _ in phases.PHASES] == originals
+
+
+def _paired():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "paired.py"
+    spec = importlib.util.spec_from_file_location("paired_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_steps_alternate_which_side_goes_first():
+    paired = _paired()
+    order = []
+    a, b = paired.paired_times(lambda: order.append("a"), lambda: order.append("b"), steps=4, warmup=1,
+                               device=torch.device("cpu"))
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert len(a) == len(b) == 4 and all(t >= 0 for t in a + b)
+    assert paired.quartiles([3.0]) == (3.0, 3.0, 3.0)
+    assert paired.quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == (2.0, 3.0, 4.0)
+
+
+def test_paired_smoke(tmp_path, capsys):
+    paired = _paired()
+    out = tmp_path / "paired.json"
+    assert paired.main(["--set", "d32x1", "--pairs", "muon:dion3_f1/4,adamw:muon_fp32", "--steps", "3",
+                        "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| muon | dion3_f1/4 |" in printed and "| adamw | muon_fp32 |" in printed
+    result = json.loads(out.read_text())
+    assert [(p["a"], p["b"]) for p in result["pairs"]] == [("muon", "dion3_f1/4"), ("adamw", "muon_fp32")]
+    for p in result["pairs"]:
+        ratios = [b / a for a, b in zip(p["a_ms"], p["b_ms"])]
+        assert p["ratio_median"] == pytest.approx(statistics.median(ratios))
+        assert p["ratio_q1"] <= p["ratio_median"] <= p["ratio_q3"]
+        assert p["b_slower_share"] == pytest.approx(sum(r > 1 for r in ratios) / 3)
+    with pytest.raises(SystemExit, match="unknown rung 'nope'"):
+        paired.main(["--set", "d32x1", "--pairs", "muon:nope", "--steps", "1"])
+    with pytest.raises(SystemExit, match="A:B pairs"):
+        paired.main(["--set", "d32x1", "--pairs", "muon", "--steps", "1"])
