@@ -402,17 +402,55 @@ def test_misspelled_key_in_add_param_group_warns_naming_it():
 
 
 def test_known_keys_do_not_warn():
-    """No false alarms: param_groups output (name, param_names) and every documented option."""
+    """No false alarms: param_groups output (name, param_names) and every option each algorithm reads."""
     model = make_model()
-    every_option = dict(lr=0.01, weight_decay=0.0, mu=0.9, fraction=0.5, muon_beta2=0.9, nesterov=True,
-                        adjust_lr="rms_norm", orthogonalizer="gram", flatten=False, nonfinite="skip",
-                        selection_scope="global", epsilon=1e-7, betas=(0.8, 0.9), rank_fraction=0.5,
-                        qr_method="qr", algorithm="dion3")
+    dion3_options = dict(lr=0.01, weight_decay=0.0, mu=0.9, fraction=0.5, muon_beta2=0.9, adjust_lr="rms_norm",
+                         orthogonalizer="gram", flatten=False, nonfinite="skip", selection_scope="global",
+                         epsilon=1e-7, algorithm="dion3")
+    dion_options = dict(rank_fraction=0.5, qr_method="qr", epsilon=1e-7, mu=0.9, algorithm="dion")
     groups = orthoptim.param_groups(model, overrides={"lin.weight": {"num_heads": 2, "split_sizes": [2, 4]},
-                                                      "out.weight": every_option})
+                                                      "out.weight": dion3_options, "conv.weight": dion_options},
+                                    scalar_lr=0.01)
+    extra = [("adamw", {"betas": (0.8, 0.9), "epsilon": 1e-6}, 3), ("lion", {"betas": (0.8, 0.9)}, 3),
+             ("normuon", {"nesterov": False, "muon_beta2": 0.9, "epsilon": 1e-6}, (3, 4))]
+    for algorithm, options, shape in extra:
+        groups.append({"params": [torch.nn.Parameter(torch.zeros(shape))], "param_names": [f"extra_{algorithm}"],
+                       "algorithm": algorithm, **options})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         orthoptim.Dion3(groups)
+
+
+@pytest.mark.parametrize(("algorithm", "key", "value", "readers"), [
+    ("muon", "fraction", 0.5, "dion3, dion2"),
+    ("dion3", "rank_fraction", 0.25, "dion"),
+    ("dion3", "betas", (0.8, 0.9), "adamw, lion"),
+    ("adamw", "mu", 0.9, "dion3, dion2, dion, muon, normuon"),
+    ("lion", "epsilon", 1e-6, "dion3, dion, normuon, adamw"),
+])
+def test_options_the_groups_algorithm_does_not_read_are_named(algorithm, key, value, readers):
+    """fraction on a Muon group is a known key but changes nothing: most likely meant for another group."""
+    p = torch.nn.Parameter(torch.zeros(4, 6))
+    with pytest.warns(UserWarning, match=rf"param group 0 sets {key}=.*algorithm='{algorithm}' does not read "
+                                         rf"\(it is read by {readers}\)"):
+        orthoptim.Dion3([{"params": [p], "algorithm": algorithm, key: value}])
+
+
+def test_an_option_of_the_optimizer_that_a_group_does_not_read_is_no_warning():
+    """Dion3(fraction=0.5) with a Muon group: the option is the optimizer's, for the groups that read it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        orthoptim.Dion3([{"params": [torch.nn.Parameter(torch.zeros(4, 6))], "algorithm": "muon"}], fraction=0.5)
+
+
+def test_param_groups_does_not_flatten_a_conv_sent_to_adamw():
+    model = make_model()
+    for kwargs in ({"overrides": {"conv.weight": {"algorithm": "adamw"}}}, {"algorithm": "adamw"}):
+        groups = orthoptim.param_groups(model, **kwargs)
+        assert not any("flatten" in g for g in groups if g.get("algorithm") == "adamw")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            orthoptim.Dion3(groups)
 
 
 def test_numpy_scalars_are_numbers():
@@ -438,7 +476,8 @@ def test_param_groups_override_that_is_not_a_dict_is_named():
 def test_orthogonalizer_output_is_checked_and_named(name, orthogonalizer, fragments):
     """A wrong shape would broadcast into every row and NaNs would reach the weights, both silently."""
     model = make_model()
-    opt = CLASSES[name]([named_group(model, "lin.weight", orthogonalizer=orthogonalizer, fraction=1.0)])
+    every_row = {"fraction": 1.0} if name in ("dion2", "dion3") else {}
+    opt = CLASSES[name]([named_group(model, "lin.weight", orthogonalizer=orthogonalizer, **every_row)])
     set_grads(model, 0)
     before = model.lin.weight.detach().clone()
     with raises_naming(ValueError, "orthogonalizer", "lin.weight", "zero update", "restore", *fragments):

@@ -127,11 +127,13 @@ def param_groups(
         else:
             if algorithm is not None:
                 options["algorithm"] = algorithm
-            if kind == "conv":
+            if kind == "conv" and algorithm not in ("adamw", "lion"):
                 options["flatten"] = True
         pattern = next((pat for pat in overrides if fnmatch.fnmatchcase(name, pat)), None)
         if pattern is not None:
             used_patterns.add(pattern)
+            if overrides[pattern].get("algorithm") in ("adamw", "lion"):
+                options.pop("flatten", None)  # a conv layer sent to AdamW/Lion: nothing to flatten
             options.update(overrides[pattern])
         label = pattern or kind
         key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))

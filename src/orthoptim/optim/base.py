@@ -27,7 +27,7 @@ from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import GlobalRowSelection, RowExchange, shard_rows
 from orthoptim.kernels import cpu_dtype
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
-from orthoptim.optim.validation import MATRIX_ALGORITHMS, validate_group
+from orthoptim.optim.validation import MATRIX_ALGORITHMS, readers_of, unread_options, validate_group
 from orthoptim.orthogonalize import (
     Orthogonalizer,
     PolarFactors,
@@ -231,6 +231,13 @@ class OrthonormalOptimizer(Optimizer):
             )
         merged = {**self.defaults, **param_group}
         validate_group(merged, f"param group {index}")
+        for key in unread_options(param_group, merged["algorithm"], set(self.defaults)):
+            warnings.warn(
+                f"param group {index} sets {key}={param_group[key]!r}, which algorithm={merged['algorithm']!r} does "
+                f"not read (it is read by {', '.join(readers_of(key))}); remove it, or set the algorithm it was "
+                "meant for",
+                stacklevel=3,
+            )
         if self.capturable and merged["selection_scope"] == "global" and merged["algorithm"] in ("dion2", "dion3"):
             raise ValueError(
                 f"param group {index}: selection_scope='global' sizes its row exchange from the selected rows "

@@ -20,6 +20,33 @@ SELECTION_SCOPES = ("local", "global")
 QR_METHODS = ("cholesky_qr", "qr")
 
 
+# The options each algorithm reads, beyond algorithm, lr, weight_decay and nonfinite (all read them).
+_MATRIX_VIEW = frozenset({"adjust_lr", "flatten", "num_heads", "split_sizes"})
+READS: dict[str, frozenset[str]] = {
+    "muon": _MATRIX_VIEW | {"mu", "nesterov", "orthogonalizer"},
+    "normuon": _MATRIX_VIEW | {"mu", "nesterov", "orthogonalizer", "muon_beta2", "epsilon"},
+    "dion2": _MATRIX_VIEW | {"fraction", "mu", "orthogonalizer", "selection_scope"},
+    "dion3": _MATRIX_VIEW | {"fraction", "mu", "orthogonalizer", "selection_scope", "muon_beta2", "epsilon"},
+    "dion": _MATRIX_VIEW | {"rank_fraction", "mu", "epsilon", "qr_method"},
+    "adamw": frozenset({"betas", "epsilon"}),
+    "lion": frozenset({"betas"}),
+}
+_READ_BY_ALL = frozenset({"algorithm", "lr", "weight_decay", "nonfinite"})
+
+
+def unread_options(given: Mapping[str, Any], algorithm: str, known: set[str] | frozenset[str]) -> list[str]:
+    """The options among ``known`` that a group sets itself (``given``, without the optimizer's
+    defaults) but its ``algorithm`` never reads, e.g. ``fraction`` on a Muon group: most likely meant
+    for another algorithm, and otherwise silently without effect."""
+    reads = READS.get(algorithm, frozenset()) | _READ_BY_ALL
+    return sorted(k for k in given if k in known and k not in reads)
+
+
+def readers_of(key: str) -> list[str]:
+    """The algorithms that read the option ``key``."""
+    return [a for a in ALGORITHMS if key in READS[a] or key in _READ_BY_ALL]
+
+
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     value = group[key]
     if key == "lr" and isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
