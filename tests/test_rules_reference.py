@@ -208,7 +208,9 @@ def test_scalar_groups(scalar):
     """AdamW (bias-corrected, decoupled wd) and Lion groups, next to a matrix group, plain lr."""
     matrices = make_params([(8, 12)], seed=10)
     vectors = make_params([(12,), (8, 12), (3, 4, 5)], seed=11)
-    scalar_hp = {"lr": 0.03, "weight_decay": 0.2, "betas": (0.8, 0.9), **({"epsilon": 1e-6} if scalar == "adamw" else {})}
+    scalar_hp = {"lr": 0.03, "weight_decay": 0.2, "betas": (0.8, 0.9)}
+    if scalar == "adamw":  # Lion has no epsilon
+        scalar_hp["epsilon"] = 1e-6
     groups = [{"params": matrices, "algorithm": "muon"},
               {"params": vectors, "algorithm": scalar, **scalar_hp}]
     opt = orthoptim.Dion3(groups, lr=0.05, mu=0.9, weight_decay=0.1, orthogonalizer=ref.exact_polar_batch)
