@@ -467,15 +467,21 @@ def test_fp16_overflow_check_of_sharded_batches_has_no_false_alarm():
         assert result == {0: True, 1: True, 2: True}, result
 
 
+# Blocks of 8 rows or columns that are not torch.chunk's split ([4, 4] and [2, 2, 2, 2]). On 4 ranks,
+# ranks 0 and 3 hold what torch.chunk would give them: only a comparison across ranks sees the problem.
+UNEVEN_BLOCKS = {2: [3, 5], 4: [2, 1, 3, 2]}
+
+
 def _uneven_blocks(rank: int, world: int) -> dict:
-    """DTensors built from local blocks that are not torch.chunk's split (3 + 5 rows or columns of 8)."""
+    """DTensors built from local blocks that are not torch.chunk's split: every rank must raise (a rank
+    that passed would wait in the first step's collective for ranks that raised)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (world,))
     out = {}
     for dim in (0, 1):
-        size = 3 if rank == 0 else 5
+        size = UNEVEN_BLOCKS[world][rank]
         local = torch.randn((size, 6) if dim == 0 else (6, size))
         shape = (8, 6) if dim == 0 else (6, 8)
         p = nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], shape=torch.Size(shape),
@@ -488,8 +494,10 @@ def _uneven_blocks(rank: int, world: int) -> dict:
     return out
 
 
-def test_blocks_that_are_not_torch_chunk_shards_are_refused_at_construction():
-    for rank, result in enumerate(run_distributed(_uneven_blocks, 2, timeout=60)):
-        held = 3 if rank == 0 else 5
-        assert f"holds {held} of its 8 rows" in result[0] and "[4, 4]" in result[0], result
-        assert f"holds {held} of its 8 columns" in result[1] and "torch.chunk" in result[1], result
+@pytest.mark.parametrize("world", [2, 4])
+def test_blocks_that_are_not_torch_chunk_shards_are_refused_at_construction(world):
+    chunks = {2: "[4, 4]", 4: "[2, 2, 2, 2]"}[world]
+    for rank, result in enumerate(run_distributed(_uneven_blocks, world, timeout=90)):
+        held, mine = UNEVEN_BLOCKS[world], UNEVEN_BLOCKS[world][rank]
+        assert f"ranks hold {held} of its 8 rows (this rank {mine})" in result[0] and chunks in result[0], result
+        assert f"ranks hold {held} of its 8 columns" in result[1] and "torch.chunk" in result[1], result

@@ -97,6 +97,14 @@ class _Matrix:
     name: str = ""  # the parameter's, for errors
 
 
+
+def _block_sizes(size: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Every rank's block size along the sharded dimension, in rank order of ``group`` (one all-gather)."""
+    mine = torch.tensor([size], dtype=torch.int64, device=device)
+    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(every, mine, group=group)
+    return every.tolist()
+
 def _local(t: Tensor) -> Tensor:
     """This rank's part of a DTensor (a view: in-place updates land in the DTensor), or t itself."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -323,14 +331,16 @@ class OrthonormalOptimizer(Optimizer):
         layout = self._layout(p, group)
         if layout in ("row_sharded", "column_sharded"):
             # Their exchanges size every rank's block as torch.chunk (FSDP2, distribute_tensor) does; a
-            # DTensor built from uneven local blocks would fail or hang in the first step.
+            # DTensor built from uneven local blocks would fail or hang in the first step. The blocks of
+            # all ranks are compared, so that every rank raises: a rank whose own block happens to
+            # match would otherwise wait forever in the first collective.
             dim, mesh_dim = p.placements[sharded[0]].dim, sharded[0]
             expected = shard_rows(p.shape[dim], p.device_mesh.size(mesh_dim))
-            mine = expected[p.device_mesh.get_local_rank(mesh_dim)]
-            if _local(p).shape[dim] != mine:
+            held = _block_sizes(_local(p).shape[dim], p.device_mesh.get_group(mesh_dim), _local(p).device)
+            if held != expected:
                 raise ValueError(
-                    f"{where}: this rank holds {_local(p).shape[dim]} of its {p.shape[dim]} "
-                    f"{'rows' if dim == 0 else 'columns'}, but Shard({dim}) as torch.chunk splits them {expected}; "
+                    f"{where}: its ranks hold {held} of its {p.shape[dim]} {'rows' if dim == 0 else 'columns'} "
+                    f"(this rank {_local(p).shape[dim]}), but Shard({dim}) as torch.chunk splits them {expected}; "
                     "only torch.chunk-style shards (FSDP2's, distribute_tensor's) are supported")
         if type(p.placements[sharded[0]]) is not Shard or p.placements[sharded[0]].dim != 0:
             return
