@@ -298,7 +298,7 @@ class OrthonormalOptimizer(Optimizer):
         else:
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
 
-    def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
+    def _check_param(self, p: Tensor, group: dict[str, Any], label: str, compare_blocks: bool = True) -> None:
         if not isinstance(p, Tensor):
             return  # torch.optim reports the type error itself
         if not p.is_floating_point():
@@ -312,9 +312,9 @@ class OrthonormalOptimizer(Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"parameter {label} is not contiguous; call .contiguous() on it first")
         if isinstance(p, DTensor):
-            self._check_dtensor(p, group, label)
+            self._check_dtensor(p, group, label, compare_blocks)
 
-    def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
+    def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str, compare_blocks: bool = True) -> None:
         """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
         where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
         if self._layout(p, group) == "factor_sharded":
@@ -329,7 +329,7 @@ class OrthonormalOptimizer(Optimizer):
         if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
             return  # elementwise rules, replicated matrices and gathered (e.g. FSDP x TP) matrices
         layout = self._layout(p, group)
-        if layout in ("row_sharded", "column_sharded"):
+        if layout in ("row_sharded", "column_sharded") and compare_blocks:
             # Their exchanges size every rank's block as torch.chunk (FSDP2, distribute_tensor) does; a
             # DTensor built from uneven local blocks would fail or hang in the first step. The blocks of
             # all ranks are compared, so that every rank raises: a rank whose own block happens to
@@ -478,7 +478,9 @@ class OrthonormalOptimizer(Optimizer):
             validate_group(merged, where)
             for i, p in zip(saved["params"], mine["params"]):
                 label = self.param_name(p)
-                self._check_param(p, merged, label)
+                # The same parameters as at construction, whose blocks were compared across ranks then:
+                # no collective here, where a rank refusing a state shape would leave the others waiting.
+                self._check_param(p, merged, label, compare_blocks=False)
                 state = saved_state.get(i, {})
                 for key, shape in self._expected_state_shapes(p, merged).items():
                     value = state.get(key)
