@@ -494,6 +494,34 @@ def _uneven_blocks(rank: int, world: int) -> dict:
     return out
 
 
+def _uneven_dion_blocks(rank: int, world: int) -> str:
+    """Dion (factor-sharded, no assembly) on the blocks of UNEVEN_BLOCKS, then a Dion3 parameter whose
+    construction all-gathers: ranks whose own block matches must raise too, not wait in it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    size = UNEVEN_BLOCKS[world][rank]
+    bad = nn.Parameter(DTensor.from_local(torch.randn(size, 6), mesh, [Shard(0)], shape=torch.Size((8, 6)),
+                                          stride=(6, 1)))
+    good = nn.Parameter(DTensor.from_local(torch.randn(2, 6) if world == 4 else torch.randn(4, 6), mesh, [Shard(0)],
+                                           shape=torch.Size((8, 6)), stride=(6, 1)))
+    try:
+        orthoptim.Dion3([{"params": [("bad", bad)], "algorithm": "dion"},
+                         {"params": [("good", good)], "algorithm": "dion3"}], distributed_mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dion_blocks_that_are_not_torch_chunk_shards_are_refused_on_every_rank():
+    for rank, result in enumerate(run_distributed(_uneven_dion_blocks, 4, timeout=90)):
+        if UNEVEN_BLOCKS[4][rank] == 2:  # its own block is torch.chunk's
+            assert "another rank of its row or column groups holds a block" in result, result
+        else:
+            assert f"its local block has shape ({UNEVEN_BLOCKS[4][rank]}, 6)" in result and "(2, 6)" in result, result
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_blocks_that_are_not_torch_chunk_shards_are_refused_at_construction(world):
     chunks = {2: "[4, 4]", 4: "[2, 2, 2, 2]"}[world]

@@ -436,6 +436,17 @@ def test_a_norm_that_overflows_gives_zero_not_nan(fn, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("fn", [newton_schulz, gram_newton_schulz], ids=lambda f: f.__name__)
+def test_a_float64_input_iterated_narrower_is_normalized_in_float64(fn, dtype):
+    """‖X‖_F² of 1e25-sized float64 entries overflows fp32 and bf16: the norm is taken in float64 first."""
+    x = make_input("random", (2,), 16, 64, torch.float64)
+    exact = fn(x, dtype=torch.float64)
+    got = fn(x * 1e25, dtype=dtype)
+    assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    assert (got - exact).norm() / exact.norm() < (0.05 if dtype == torch.bfloat16 else 1e-4)  # bf16: 0.028
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 16, 64), (2, 64, 16), (2, 24, 24)], ids=str)
 @pytest.mark.parametrize("fn", [newton_schulz, gram_newton_schulz], ids=lambda f: f.__name__)
 def test_the_input_is_never_written(fn, shape, dtype):

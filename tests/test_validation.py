@@ -443,14 +443,19 @@ def test_an_option_of_the_optimizer_that_a_group_does_not_read_is_no_warning():
         orthoptim.Dion3([{"params": [torch.nn.Parameter(torch.zeros(4, 6))], "algorithm": "muon"}], fraction=0.5)
 
 
-def test_param_groups_does_not_flatten_a_conv_sent_to_adamw():
+def test_param_groups_flattens_a_conv_for_matrix_rules_only():
+    """flatten=True follows the conv's algorithm after the overrides: none for AdamW, one for Muon even
+    when the other matrices go to AdamW."""
     model = make_model()
-    for kwargs in ({"overrides": {"conv.weight": {"algorithm": "adamw"}}}, {"algorithm": "adamw"}):
+    for kwargs, flattened in (({"overrides": {"conv.weight": {"algorithm": "adamw"}}}, False),
+                              ({"algorithm": "adamw"}, False),
+                              ({"algorithm": "adamw", "overrides": {"conv.weight": {"algorithm": "muon"}}}, True)):
         groups = orthoptim.param_groups(model, **kwargs)
-        assert not any("flatten" in g for g in groups if g.get("algorithm") == "adamw")
+        conv = next(g for g in groups if "conv.weight" in g["param_names"])
+        assert conv.get("flatten", False) is flattened, kwargs
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            orthoptim.Dion3(groups)
+            orthoptim.Dion3(groups).step()  # no gradients: nothing moves, but every group is built
 
 
 def test_numpy_scalars_are_numbers():
@@ -604,18 +609,36 @@ def test_fp16_overflow_is_checked_on_the_matrices_dion_works_on():
         opt.step()
 
 
+@pytest.mark.parametrize("mu", [0.9, 0.95])
 @pytest.mark.parametrize("name", ["muon", "normuon"])
-def test_fp16_nesterov_overflow_is_caught_with_the_rules_two_roundings(name):
-    """With Nesterov the rule rounds μM, then μM + G: 0.95·63008 rounds up, and G + μ·(new M) becomes
-    inf although a once-rounded G + μM would not."""
-    p = nn.Parameter(torch.full((4, 8), 0.1, dtype=torch.float16))
-    opt = CLASSES[name]([{"params": [p], "param_names": ["w16"]}], lr=0.01, mu=0.95, nesterov=True)
-    p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.state[p]["momentum"].fill_(63008.0)
-    p.grad = torch.full_like(p, 4432.0)
-    with raises_naming(orthoptim.NonFiniteGradientError, "w16", "overflow float16"):
-        opt.step()
+def test_fp16_nesterov_check_refuses_exactly_the_steps_that_would_overflow(name, mu, monkeypatch):
+    """Near fp16's limit, with Nesterov: a step is refused exactly when, unchecked, it would turn the
+    weights into NaN (M ← G + μM, then B = G + μM, each rounded as the rule rounds)."""
+    def outcome(m0: float, g0: float, checked: bool) -> str:
+        p = nn.Parameter(torch.full((4, 8), 0.1, dtype=torch.float16))
+        opt = CLASSES[name]([{"params": [p], "param_names": ["w16"]}], lr=0.01, mu=mu, nesterov=True)
+        opt.state[p]["momentum"].fill_(m0)
+        p.grad = torch.full_like(p, g0)
+        if not checked:
+            monkeypatch.setattr(type(opt), "_momentum_fits", lambda self, params, groups, device: torch.ones(
+                len(params), dtype=torch.bool, device=device))
+        try:
+            opt.step()
+        except orthoptim.NonFiniteGradientError:
+            return "refused"
+        finally:
+            monkeypatch.undo()
+        return "finite" if torch.isfinite(p).all() else "nan"
+
+    grid = [(m0, g0) for m0 in torch.linspace(63000, 65504, 12).half().tolist()
+            for g0 in torch.linspace(65504 * (1 - mu) * 0.9, 65504 * (1 - mu) * 1.1, 9).half().tolist()]
+    seen = set()
+    for m0, g0 in grid:
+        unchecked = outcome(m0, g0, checked=False)
+        assert unchecked != "refused"
+        assert outcome(m0, g0, checked=True) == ("refused" if unchecked == "nan" else "finite"), (m0, g0)
+        seen.add(unchecked)
+    assert seen == {"nan", "finite"}  # the grid straddles the limit
 
 
 @pytest.mark.parametrize("blocks", [{"num_heads": 4}, {"split_sizes": [16, 16, 32]}], ids=["heads", "splits"])

@@ -124,17 +124,16 @@ def param_groups(
                 options["lr"] = scalar_lr
             if scalar_weight_decay is not None:
                 options["weight_decay"] = scalar_weight_decay
-        else:
-            if algorithm is not None:
-                options["algorithm"] = algorithm
-            if kind == "conv" and algorithm not in ("adamw", "lion"):
-                options["flatten"] = True
+        elif algorithm is not None:
+            options["algorithm"] = algorithm
         pattern = next((pat for pat in overrides if fnmatch.fnmatchcase(name, pat)), None)
         if pattern is not None:
             used_patterns.add(pattern)
-            if overrides[pattern].get("algorithm") in ("adamw", "lion"):
-                options.pop("flatten", None)  # a conv layer sent to AdamW/Lion: nothing to flatten
             options.update(overrides[pattern])
+        # A conv weight is flattened to 2-D for a matrix rule (its algorithm after any override; None:
+        # the optimizer's own), never for AdamW/Lion, which read no such option.
+        if kind == "conv" and "flatten" not in options and options.get("algorithm") not in ("adamw", "lion"):
+            options["flatten"] = True
         label = pattern or kind
         key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))
         group = groups.setdefault(key, {"name": label, "params": [], "param_names": [], **options})

@@ -676,13 +676,14 @@ class OrthonormalOptimizer(Optimizer):
                 rows = torch.linalg.vector_norm(b, dim=-1, dtype=torch.float32).amax() * math.sqrt(col_shards)
                 size = torch.maximum(rows, cols)
             else:
-                # As the rule computes it, in fp16, so inf exactly where it overflows: M ← G + μM in one
-                # rounding, or with Nesterov M ← μM, then + G (two), and B = G + μM.
+                # As the rule computes it, in fp16, so inf exactly where it overflows: M ← G + μM (one
+                # op, ``momentum.accumulate_and_stack``), and with Nesterov B = G + μM, unless the batch
+                # is stacked in a wider dtype (Muon's bf16 batch for a named iteration).
                 mu = 1.0 if group["algorithm"] in ("dion2", "dion3") else group["mu"]
                 nesterov = group["algorithm"] in ("muon", "normuon") and group["nesterov"]
-                new = m.mul(mu).add_(g) if nesterov else torch.add(g, m, alpha=mu)
+                new = torch.add(g, m, alpha=mu)
                 size = new.abs().amax()
-                if nesterov:
+                if nesterov and self._stack_dtype(group, self._layout(p, group), m) in (None, torch.float16):
                     size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits
@@ -800,6 +801,16 @@ class OrthonormalOptimizer(Optimizer):
                 tuple(dist.get_process_group_ranks(p.device_mesh.get_group(dim))) not in covered
                 for dim, placement in enumerate(p.placements) if not isinstance(placement, Replicate))
         return self._beyond_meshes[p]
+
+    def _stack_dtype(self, group: dict[str, Any], layout: str, momentum: Tensor) -> torch.dtype | None:
+        """The dtype Muon stacks its batch in (None: the momentum's). Single process with a named
+        iteration (its factored form runs): the dtype that iteration rounds its input to anyway. Not for
+        fp16 momenta: G + μM is computed in the inputs' dtype, and fp16's could overflow on the way
+        (``_momentum_fits`` then checks it)."""
+        if group["algorithm"] != "muon" or layout != "replicated" or self._process_group is not None or \
+                momentum.dtype == torch.float16:
+            return None
+        return input_dtype(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER["muon"], momentum)  # None: a callable
 
     @staticmethod
     def _orthogonalizer(group: dict[str, Any]) -> Orthogonalizer:
@@ -1015,14 +1026,12 @@ class OrthonormalOptimizer(Optimizer):
             finish = None
             select = None
             # Nothing communicated: the iteration's last product can write into the parameters.
-            factors = stack_dtype = None
+            factors = None
             if layout == "replicated" and self._process_group is None and algorithm == "muon":
-                spec = group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm]
-                factors = get_factored_orthogonalizer(spec)
+                factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
                 if factors is not None and checked:
                     factors = self._checked_factors(factors, names)
-                elif factors is not None:  # a named iteration: stack the batch in the dtype it runs in
-                    stack_dtype = input_dtype(spec, ms[0])
+            stack_dtype = self._stack_dtype(group, layout, ms[0])
             if layout == "row_sharded":
                 plan = _RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
                 if algorithm in ("dion2", "dion3"):

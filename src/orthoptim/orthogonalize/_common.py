@@ -71,12 +71,14 @@ def start(x: Tensor, dtype: torch.dtype, eps: float) -> tuple[Tensor, bool, bool
     """An iteration's first X in the working dtype: (X, whether it is still to be normalized, whether
     it is a fresh tensor the iteration may overwrite).
 
-    In wide-range dtypes X is only rounded: ‖X‖_F² is the trace of the first X Xᵀ, which the iteration
-    computes anyway, so ``normalize_gram_`` divides there, on k×k numbers. That spares the passes of
-    ``normalize`` over the k×n batch (a norm, a quotient and its rounding: on CPUs 20-30 % of a bf16
-    iteration on 128×512 matrices) and, for an input already in the working dtype, any copy at all.
+    In wide-range dtypes (from inputs no wider than them) X is only rounded: ‖X‖_F² is the trace of
+    the first X Xᵀ, which the iteration computes anyway, so ``normalize_gram_`` divides there, on k×k
+    numbers. That spares the passes of ``normalize`` over the k×n batch (a norm, a quotient and its
+    rounding: on CPUs 20-30 % of a bf16 iteration on 128×512 matrices) and, for an input already in
+    the working dtype, any copy at all.
     """
-    if dtype in WIDE_RANGE:
+    # A float64 input iterated in a narrower dtype is normalized in float64: its ‖X‖_F² may not fit.
+    if dtype in WIDE_RANGE and (x.dtype != torch.float64 or dtype == torch.float64):
         rounded = x.to(dtype)
         return rounded, True, rounded is not x
     return normalize(x, dtype, eps), False, True
