@@ -36,6 +36,7 @@ PHASES = [
     (momentum, "accumulate_", "momentum M ← μM + G"),
     (momentum, "accumulate_and_stack", "momentum + stack (Muon)"),
     (selection, "top_slices", "row L1 norms + top-k"),
+    (selection, "accumulate_and_row_norms_", "momentum M ← M + G + row L1 norms (Dion3)"),
     (selection, "gather_slices", "gather selected rows"),
     (selection, "decay_slices_", "error-feedback decay"),
     (selection, "gather_entries", "gather row variances"),

@@ -36,6 +36,22 @@ def test_l1_norms_match_float64(monkeypatch, dtype, dim, chunk):
     torch.testing.assert_close(got.to(F64), exact, rtol=tol, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, F64])
+@pytest.mark.parametrize("shape", [(23, 10), (0, 10), (7, 0)], ids=str)
+def test_accumulate_and_row_norms_equal_the_two_steps(monkeypatch, dtype, shape):
+    """M ← M + G with the rows' L1 norms in one pass (blocks of 6 rows: 23 = 3·6 + 5) gives what the
+    sum followed by l1_norms gives, bit for bit, and the float64 norms of the new M to rounding."""
+    monkeypatch.setattr(selection, "L1_CHUNK_ELEMENTS", 64)
+    momenta, grads = matrices(shape, 3, dtype, seed=2), matrices(shape, 3, dtype, seed=3)
+    copies = [m.clone() for m in momenta]
+    norms = selection.accumulate_and_row_norms_(momenta, grads)
+    torch._foreach_add_(copies, grads)
+    assert all(torch.equal(m, c) for m, c in zip(momenta, copies))
+    assert torch.equal(norms, selection.l1_norms(copies, 0))
+    exact = torch.stack([m.to(F64).abs().sum(dim=1) for m in copies]) if shape[0] else torch.zeros(3, 0, dtype=F64)
+    torch.testing.assert_close(norms.to(F64), exact, rtol=1e-12 if dtype == F64 else 1e-6, atol=0)
+
+
 def test_l1_norms_of_strided_views_and_empty_shards(monkeypatch):
     monkeypatch.setattr(selection, "L1_CHUNK_ELEMENTS", 16)
     base = matrices((9, 13), 2, torch.float32, seed=1)

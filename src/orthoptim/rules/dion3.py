@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import torch
 from torch import Tensor
 
 from orthoptim import kernels
@@ -39,10 +40,12 @@ def dion3_update(
     distributed plan passes one that runs it where the whole rows are. ``select(M) → index``
     replaces the per-matrix top-k (exact selection over a row-sharded matrix).
     """
-    momentum.accumulate_(momenta, grads, 1.0)
-    if select is None:
-        index = selection.top_slices(momenta, selection.num_selected(momenta[0].shape[0], fraction), 0)
+    if select is None:  # M ← M + G with the rows' L1 norms in the same pass
+        norms = selection.accumulate_and_row_norms_(momenta, grads)
+        k = selection.num_selected(momenta[0].shape[0], fraction)
+        index = torch.topk(norms, k, dim=-1, sorted=False).indices
     else:
+        momentum.accumulate_(momenta, grads, 1.0)
         index = select(momenta)
     u = selection.gather_slices(momenta, index, 0)
     selection.decay_slices_(momenta, index, u, 0, mu)
