@@ -212,6 +212,7 @@ def test_input_dtype_is_the_dtype_a_named_iteration_rounds_to(monkeypatch, env, 
         assert input_dtype(name, x) == expected
     assert input_dtype("polar_express", x.double()) == torch.float64
     assert input_dtype("polar_express", x, dtype=torch.float16) is None  # fp16's X Xᵀ would overflow
+    assert input_dtype("polar_express", x.double(), dtype=torch.bfloat16) is None  # normalized in fp64 first
     assert input_dtype("svd", x) is None and input_dtype(newton_schulz, x) is None
 
 

@@ -186,3 +186,22 @@ def test_unsupported_dion_shardings_are_refused_by_name():
     assert "sharded twice along dim 0" in twice and "Shard(0)" in twice and "#0" in twice
     assert "matches neither outer_shard_mesh nor inner_shard_mesh" in unknown_mesh
     assert "outer_shard_mesh" in no_mesh and "inner_shard_mesh" in no_mesh
+
+
+def _fp16_replicated_average(rank: int, world: int, algorithm: str) -> dict:
+    """fp16 gradients of 40000 on each of 2 ranks: finite, and so is their mean; their sum is not."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = nn.Parameter(torch.full((4, 6), 0.1, dtype=torch.float16) + torch.eye(4, 6, dtype=torch.float16))
+    opt = orthoptim.Dion([{"params": [("w", p)], "algorithm": algorithm}], replicate_mesh=mesh, lr=0.01)
+    p.grad = torch.full((4, 6), 40000.0, dtype=torch.float16)
+    opt.step()
+    return {"grad": p.grad[0, 0].item(), "momentum_finite": bool(torch.isfinite(opt.state[p]["momentum"]).all()),
+            "weights_finite": bool(torch.isfinite(p).all())}
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "dion3"])
+def test_fp16_gradients_averaged_over_replicas_do_not_overflow(algorithm):
+    for result in run_distributed(_fp16_replicated_average, 2, algorithm, timeout=90):
+        assert result == {"grad": 40000.0, "momentum_finite": True, "weights_finite": True}, result

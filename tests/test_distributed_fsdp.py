@@ -5,6 +5,7 @@ layouts this version does not run."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -495,8 +496,7 @@ def _uneven_blocks(rank: int, world: int) -> dict:
 
 
 def _uneven_dion_blocks(rank: int, world: int) -> str:
-    """Dion (factor-sharded, no assembly) on the blocks of UNEVEN_BLOCKS, then a Dion3 parameter whose
-    construction all-gathers: ranks whose own block matches must raise too, not wait in it."""
+    """Dion (factor-sharded, no assembly) on the blocks of UNEVEN_BLOCKS, then a Dion3 parameter."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -504,8 +504,8 @@ def _uneven_dion_blocks(rank: int, world: int) -> str:
     size = UNEVEN_BLOCKS[world][rank]
     bad = nn.Parameter(DTensor.from_local(torch.randn(size, 6), mesh, [Shard(0)], shape=torch.Size((8, 6)),
                                           stride=(6, 1)))
-    good = nn.Parameter(DTensor.from_local(torch.randn(2, 6) if world == 4 else torch.randn(4, 6), mesh, [Shard(0)],
-                                           shape=torch.Size((8, 6)), stride=(6, 1)))
+    good = nn.Parameter(DTensor.from_local(torch.randn(2, 6), mesh, [Shard(0)], shape=torch.Size((8, 6)),
+                                           stride=(6, 1)))
     try:
         orthoptim.Dion3([{"params": [("bad", bad)], "algorithm": "dion"},
                          {"params": [("good", good)], "algorithm": "dion3"}], distributed_mesh=mesh)
@@ -514,18 +514,57 @@ def _uneven_dion_blocks(rank: int, world: int) -> str:
     return "no error"
 
 
+def _grid_blocks(rank: int, world: int, case: str) -> str:
+    """A 2×2 mesh (dims "outer", "inner") where only one rank's block is not torch.chunk's: every rank
+    must raise at construction, also those whose groups for this parameter do not include that rank
+    (the step's collectives run over every mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+
+    def make(placements, local_shape):
+        return nn.Parameter(DTensor.from_local(torch.randn(local_shape), mesh, placements, shape=torch.Size((8, 6)),
+                                               stride=(6, 1)))
+
+    try:
+        if case == "dion_rows_only":  # rows over "outer", replicated over "inner"; rank 0 holds 3 rows
+            orthoptim.Dion([("a", make([Shard(0), Replicate()], (3, 6) if rank == 0 else (4, 6)))], lr=0.01,
+                           outer_shard_mesh=mesh["outer"], inner_shard_mesh=mesh["inner"])
+        elif case == "muon_gathered":  # FSDP x TP, assembled by Muon; rank 3 holds 2 of its 3 columns
+            orthoptim.Muon([("b", make([Shard(0), Shard(1)], (4, 2) if rank == 3 else (4, 3)))], lr=0.01,
+                           distributed_mesh=mesh["outer"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def test_dion_blocks_that_are_not_torch_chunk_shards_are_refused_on_every_rank():
     for rank, result in enumerate(run_distributed(_uneven_dion_blocks, 4, timeout=90)):
         if UNEVEN_BLOCKS[4][rank] == 2:  # its own block is torch.chunk's
-            assert "another rank of its row or column groups holds a block" in result, result
+            assert "another rank holds a block of a parameter of param group 0" in result, result
         else:
-            assert f"its local block has shape ({UNEVEN_BLOCKS[4][rank]}, 6)" in result and "(2, 6)" in result, result
+            assert f"holds a block of shape ({UNEVEN_BLOCKS[4][rank]}, 6) of its (8, 6)" in result, result
+            assert "gives (2, 6)" in result, result
+
+
+@pytest.mark.parametrize(("case", "bad_rank", "block", "expected"), [
+    ("dion_rows_only", 0, "(3, 6)", "(4, 6)"), ("muon_gathered", 3, "(4, 2)", "(4, 3)")])
+def test_a_wrong_block_on_one_rank_of_a_2d_mesh_is_refused_on_every_rank(case, bad_rank, block, expected):
+    for rank, result in enumerate(run_distributed(partial(_grid_blocks, case=case), 4, timeout=90)):
+        if rank == bad_rank:
+            assert f"holds a block of shape {block}" in result and f"gives {expected}" in result, result
+        else:
+            assert "another rank holds a block" in result and "torch.chunk" in result, result
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_blocks_that_are_not_torch_chunk_shards_are_refused_at_construction(world):
-    chunks = {2: "[4, 4]", 4: "[2, 2, 2, 2]"}[world]
     for rank, result in enumerate(run_distributed(_uneven_blocks, world, timeout=90)):
-        held, mine = UNEVEN_BLOCKS[world], UNEVEN_BLOCKS[world][rank]
-        assert f"ranks hold {held} of its 8 rows (this rank {mine})" in result[0] and chunks in result[0], result
-        assert f"ranks hold {held} of its 8 columns" in result[1] and "torch.chunk" in result[1], result
+        mine, chunk = UNEVEN_BLOCKS[world][rank], 8 // world
+        for dim in (0, 1):
+            if mine == chunk:
+                assert "another rank holds a block" in result[dim], result
+            else:
+                shape = (mine, 6) if dim == 0 else (6, mine)
+                assert f"holds a block of shape {shape}" in result[dim] and "torch.chunk" in result[dim], result

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from orthoptim.distributed.row_exchange import shard_rows
@@ -33,18 +32,6 @@ class FactorSharding:
     @property
     def key(self) -> tuple[str | None, str | None]:
         return (self.rows_by, self.cols_by)
-
-
-def _any_rank(flag: bool, groups: list[dist.ProcessGroup], device) -> bool:
-    """Whether ``flag`` is set on any rank reachable in two rounds over ``groups`` (all-reduces of one
-    int: every rank of a rows × columns grid of groups)."""
-    if not groups:
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    for _ in range(2 if len(groups) > 1 else 1):
-        for group in groups:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
-    return bool(value.item())
 
 
 def _ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -105,16 +92,11 @@ def factor_sharding(p, name: str, meshes: dict[str, dist.ProcessGroup | None]) -
         else:
             sizes.append((whole[dim], 0))
     local = p.to_local()
-    mine_bad = (local.shape[0], math.prod(local.shape[1:])) != (sizes[0][0], sizes[1][0])
-    # Every rank of the row and column groups must agree: one that passed would wait in the first
-    # step's collectives for ranks that raised. Two rounds reach every rank of a rows × columns grid.
-    groups = [group for _, group, _ in by_dim.values()]
-    if _any_rank(mine_bad, groups, local.device):
-        chunked = f"torch.chunk-style sharding of {tuple(p.shape)}"
-        problem = (f"its local block has shape {tuple(local.shape)}, but {chunked} gives {(sizes[0][0], sizes[1][0])}"
-                   if mine_bad else f"another rank of its row or column groups holds a block that is not {chunked} "
-                                    f"(this rank's, {tuple(local.shape)}, is)")
-        raise ValueError(f"{where}: {problem}; only DTensor/FSDP2-style sharding is supported")
+    if (local.shape[0], math.prod(local.shape[1:])) != (sizes[0][0], sizes[1][0]):  # see _check_blocks
+        raise ValueError(
+            f"{where}: its local block has shape {tuple(local.shape)}, but torch.chunk-style sharding of "
+            f"{tuple(p.shape)} gives {(sizes[0][0], sizes[1][0])}; only DTensor/FSDP2-style sharding is supported"
+        )
     rows, cols = by_dim.get(0), by_dim.get(1)
     return FactorSharding(
         rows_group=rows[1] if rows else None, cols_group=cols[1] if cols else None,

@@ -41,6 +41,7 @@ from orthoptim.rules.selection import num_selected
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
     DTensor = Replicate = Shard = ()  # type: ignore[assignment,misc]
     distribute_tensor = None
@@ -98,12 +99,6 @@ class _Matrix:
 
 
 
-def _block_sizes(size: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    """Every rank's block size along the sharded dimension, in rank order of ``group`` (one all-gather)."""
-    mine = torch.tensor([size], dtype=torch.int64, device=device)
-    every = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    return every.tolist()
 
 def _local(t: Tensor) -> Tensor:
     """This rank's part of a DTensor (a view: in-place updates land in the DTensor), or t itself."""
@@ -267,6 +262,7 @@ class OrthonormalOptimizer(Optimizer):
                              "give one name per parameter, in the same order")
         labels = [name or names[j] or f"param_groups[{index}].params[{j}] (#{offset + j})"
                   for j, (name, _) in enumerate(named)]
+        self._check_blocks([p for _, p in named], labels, index)
         for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)
         super().add_param_group({**param_group, "params": raw})
@@ -298,7 +294,33 @@ class OrthonormalOptimizer(Optimizer):
         else:
             group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
 
-    def _check_param(self, p: Tensor, group: dict[str, Any], label: str, compare_blocks: bool = True) -> None:
+    def _check_blocks(self, params: list[Any], labels: list[str], index: int) -> None:
+        """Every sharded DTensor must hold torch.chunk's block (FSDP2's and distribute_tensor's split):
+        the exchanges size every rank's block that way, so another block would fail or hang in the
+        first step. Agreed on by every rank before any other check, over the groups the step's
+        verdicts use (``_verdict_groups``): a rank whose own blocks match must raise too, not wait in a
+        collective for the ranks that raised."""
+        sharded = [p for p in params if isinstance(p, DTensor) and
+                   any(not isinstance(pl, Replicate) for pl in p.placements)]
+        if not sharded:
+            return
+        problems = []
+        for p in sharded:
+            label = labels[next(i for i, q in enumerate(params) if q is p)]
+            expected, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            if tuple(_local(p).shape) != tuple(expected):
+                problems.append(f"parameter {label} (a DTensor with placements {tuple(p.placements)}) holds a "
+                                f"block of shape {tuple(_local(p).shape)} of its {tuple(p.shape)} on this rank, but "
+                                f"torch.chunk-style sharding gives {tuple(expected)}")
+        flag = torch.tensor([len(problems)], dtype=torch.int32, device=_local(sharded[0]).device)
+        for group in self._verdict_groups(sharded):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()):
+            found = problems[0] if problems else (f"another rank holds a block of a parameter of param group {index} "
+                                                  "that is not torch.chunk's (its error names it)")
+            raise ValueError(f"{found}; only torch.chunk-style shards (FSDP2's, distribute_tensor's) are supported")
+
+    def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):
             return  # torch.optim reports the type error itself
         if not p.is_floating_point():
@@ -312,9 +334,9 @@ class OrthonormalOptimizer(Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"parameter {label} is not contiguous; call .contiguous() on it first")
         if isinstance(p, DTensor):
-            self._check_dtensor(p, group, label, compare_blocks)
+            self._check_dtensor(p, group, label)
 
-    def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str, compare_blocks: bool = True) -> None:
+    def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
         where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
         if self._layout(p, group) == "factor_sharded":
@@ -329,19 +351,6 @@ class OrthonormalOptimizer(Optimizer):
         if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
             return  # elementwise rules, replicated matrices and gathered (e.g. FSDP x TP) matrices
         layout = self._layout(p, group)
-        if layout in ("row_sharded", "column_sharded") and compare_blocks:
-            # Their exchanges size every rank's block as torch.chunk (FSDP2, distribute_tensor) does; a
-            # DTensor built from uneven local blocks would fail or hang in the first step. The blocks of
-            # all ranks are compared, so that every rank raises: a rank whose own block happens to
-            # match would otherwise wait forever in the first collective.
-            dim, mesh_dim = p.placements[sharded[0]].dim, sharded[0]
-            expected = shard_rows(p.shape[dim], p.device_mesh.size(mesh_dim))
-            held = _block_sizes(_local(p).shape[dim], p.device_mesh.get_group(mesh_dim), _local(p).device)
-            if held != expected:
-                raise ValueError(
-                    f"{where}: its ranks hold {held} of its {p.shape[dim]} {'rows' if dim == 0 else 'columns'} "
-                    f"(this rank {_local(p).shape[dim]}), but Shard({dim}) as torch.chunk splits them {expected}; "
-                    "only torch.chunk-style shards (FSDP2's, distribute_tensor's) are supported")
         if type(p.placements[sharded[0]]) is not Shard or p.placements[sharded[0]].dim != 0:
             return
         if p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
@@ -478,9 +487,7 @@ class OrthonormalOptimizer(Optimizer):
             validate_group(merged, where)
             for i, p in zip(saved["params"], mine["params"]):
                 label = self.param_name(p)
-                # The same parameters as at construction, whose blocks were compared across ranks then:
-                # no collective here, where a rank refusing a state shape would leave the others waiting.
-                self._check_param(p, merged, label, compare_blocks=False)
+                self._check_param(p, merged, label)
                 state = saved_state.get(i, {})
                 for key, shape in self._expected_state_shapes(p, merged).items():
                     value = state.get(key)
@@ -554,10 +561,15 @@ class OrthonormalOptimizer(Optimizer):
         world = dist.get_world_size(self._replicate_group)
         for batch in megabatches(grads, key=lambda g: (g.dtype, g.device)):
             flat = torch.cat([g.reshape(-1) for g in batch])
+            # fp16 is divided first: the sum of finite fp16 gradients can overflow (65504), their mean not.
+            narrow = flat.dtype == torch.float16
+            if narrow:
+                flat /= world
             dist.all_reduce(flat, group=self._replicate_group)
             if self.comm_stats is not None:
                 self.comm_stats.record("all_reduce", flat.numel() * flat.element_size())
-            flat /= world
+            if not narrow:
+                flat /= world
             torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
 
     def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],

@@ -72,7 +72,9 @@ def input_dtype(spec: str | Orthogonalizer, x: Tensor, dtype: torch.dtype | None
         return None
     accelerator_default = torch.float16 if spec == "gram" else torch.bfloat16
     work = working_dtype(x, dtype, accelerator_default)
-    return work if work in WIDE_RANGE else None
+    if work not in WIDE_RANGE or (x.dtype == torch.float64 and work != torch.float64):
+        return None  # fp16's X Xᵀ could overflow; float64 is normalized in float64 first (``start``)
+    return work
 
 
 def get_factored_orthogonalizer(spec: str | Orthogonalizer) -> Callable[[Tensor], PolarFactors] | None:
