@@ -514,13 +514,16 @@ def _uneven_dion_blocks(rank: int, world: int) -> str:
     return "no error"
 
 
-def _grid_blocks(rank: int, world: int, case: str) -> str:
+def _grid_blocks(rank: int, world: int, case: str, fallback: bool = False) -> str:
     """A 2×2 mesh (dims "outer", "inner") where only one rank's block is not torch.chunk's: every rank
     must raise at construction, also those whose groups for this parameter do not include that rank
     (the step's collectives run over every mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if fallback:  # the library's own torch.chunk rule, for torch versions without DTensor's private one
+        from orthoptim.optim import base
+        base._dtensor_local_shape = None
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
 
     def make(placements, local_shape):
@@ -548,10 +551,12 @@ def test_dion_blocks_that_are_not_torch_chunk_shards_are_refused_on_every_rank()
             assert "gives (2, 6)" in result, result
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["dtensor-rule", "own-rule"])
 @pytest.mark.parametrize(("case", "bad_rank", "block", "expected"), [
     ("dion_rows_only", 0, "(3, 6)", "(4, 6)"), ("muon_gathered", 3, "(4, 2)", "(4, 3)")])
-def test_a_wrong_block_on_one_rank_of_a_2d_mesh_is_refused_on_every_rank(case, bad_rank, block, expected):
-    for rank, result in enumerate(run_distributed(partial(_grid_blocks, case=case), 4, timeout=90)):
+def test_a_wrong_block_on_one_rank_of_a_2d_mesh_is_refused_on_every_rank(case, bad_rank, block, expected, fallback):
+    for rank, result in enumerate(run_distributed(partial(_grid_blocks, case=case, fallback=fallback), 4,
+                                                  timeout=90)):
         if rank == bad_rank:
             assert f"holds a block of shape {block}" in result and f"gives {expected}" in result, result
         else:

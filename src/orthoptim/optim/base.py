@@ -41,9 +41,12 @@ from orthoptim.rules.selection import num_selected
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
     DTensor = Replicate = Shard = ()  # type: ignore[assignment,misc]
+try:  # DTensor's own rule for a rank's block (private; _chunked_local_shape below where it is missing)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as _dtensor_local_shape
+except ImportError:
+    _dtensor_local_shape = None
     distribute_tensor = None
 
 # Every key any algorithm reads, with its library-wide default; subclasses override some.
@@ -98,6 +101,19 @@ class _Matrix:
     name: str = ""  # the parameter's, for errors
 
 
+
+
+def _chunked_local_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape of this rank's block of a DTensor under torch.chunk-style sharding, as DTensor and
+    FSDP2 split it: each Shard(d) in mesh-dimension order splits what the earlier ones left."""
+    if _dtensor_local_shape is not None:
+        return tuple(_dtensor_local_shape(p.shape, p.device_mesh, p.placements)[0])
+    shape = list(p.shape)
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            sizes = shard_rows(shape[placement.dim], p.device_mesh.size(mesh_dim))
+            shape[placement.dim] = sizes[p.device_mesh.get_local_rank(mesh_dim)]
+    return tuple(shape)
 
 
 def _local(t: Tensor) -> Tensor:
@@ -307,7 +323,7 @@ class OrthonormalOptimizer(Optimizer):
         problems = []
         for p in sharded:
             label = labels[next(i for i, q in enumerate(params) if q is p)]
-            expected, _ = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            expected = _chunked_local_shape(p)
             if tuple(_local(p).shape) != tuple(expected):
                 problems.append(f"parameter {label} (a DTensor with placements {tuple(p.placements)}) holds a "
                                 f"block of shape {tuple(_local(p).shape)} of its {tuple(p.shape)} on this rank, but "
