@@ -162,13 +162,19 @@ def test_parse_set():
             parse_set(bad)
 
 
-def _ladder():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "ladder.py"
-    spec = importlib.util.spec_from_file_location("ladder", path)
+def _benchmark(script: str, module_name: str, register: bool = False):
+    """benchmarks/<script> loaded as a module (benchmarks/ is no package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["ladder"] = module  # dataclasses look their module up there
+    if register:
+        sys.modules[module_name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _ladder():
+    return _benchmark("ladder.py", "ladder", register=True)
 
 
 def test_ladder_smoke(tmp_path, capsys):
@@ -255,11 +261,7 @@ def test_ladder_on_a_bf16_cpu_adds_fp32_twins_and_pools_rounds(tmp_path, monkeyp
 
 
 def _step_phases():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_phases.py"
-    spec = importlib.util.spec_from_file_location("step_phases", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("step_phases.py", "step_phases")
 
 
 @pytest.mark.parametrize(("name", "expected"), [
@@ -285,11 +287,7 @@ def test_step_phases_times_the_phases_and_restores_the_functions(tmp_path, capsy
 
 
 def _paired():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "paired.py"
-    spec = importlib.util.spec_from_file_location("paired_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _benchmark("paired.py", "paired_benchmark")
 
 
 def test_paired_steps_alternate_which_side_goes_first():
