@@ -43,11 +43,11 @@ try:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
     DTensor = Replicate = Shard = ()  # type: ignore[assignment,misc]
+    distribute_tensor = None
 try:  # DTensor's own rule for a rank's block (private; _chunked_local_shape below where it is missing)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as _dtensor_local_shape
 except ImportError:
     _dtensor_local_shape = None
-    distribute_tensor = None
 
 # Every key any algorithm reads, with its library-wide default; subclasses override some.
 COMMON_DEFAULTS: dict[str, Any] = {
@@ -99,8 +99,6 @@ class _Matrix:
     full_shape: tuple[int, int]  # the whole matrix's shape (differs from param.shape when row-sharded)
     sharding: FactorSharding | None = None  # Dion's split of a sharded matrix ("factor_sharded")
     name: str = ""  # the parameter's, for errors
-
-
 
 
 def _chunked_local_shape(p: Tensor) -> tuple[int, ...]:
@@ -316,20 +314,19 @@ class OrthonormalOptimizer(Optimizer):
         first step. Agreed on by every rank before any other check, over the groups the step's
         verdicts use (``_verdict_groups``): a rank whose own blocks match must raise too, not wait in a
         collective for the ranks that raised."""
-        sharded = [p for p in params if isinstance(p, DTensor) and
+        sharded = [(p, label) for p, label in zip(params, labels) if isinstance(p, DTensor) and
                    any(not isinstance(pl, Replicate) for pl in p.placements)]
         if not sharded:
             return
         problems = []
-        for p in sharded:
-            label = labels[next(i for i, q in enumerate(params) if q is p)]
+        for p, label in sharded:
             expected = _chunked_local_shape(p)
             if tuple(_local(p).shape) != tuple(expected):
                 problems.append(f"parameter {label} (a DTensor with placements {tuple(p.placements)}) holds a "
                                 f"block of shape {tuple(_local(p).shape)} of its {tuple(p.shape)} on this rank, but "
                                 f"torch.chunk-style sharding gives {tuple(expected)}")
-        flag = torch.tensor([len(problems)], dtype=torch.int32, device=_local(sharded[0]).device)
-        for group in self._verdict_groups(sharded):
+        flag = torch.tensor([len(problems)], dtype=torch.int32, device=_local(sharded[0][0]).device)
+        for group in self._verdict_groups([p for p, _ in sharded]):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):
             found = problems[0] if problems else (f"another rank holds a block of a parameter of param group {index} "
@@ -705,13 +702,13 @@ class OrthonormalOptimizer(Optimizer):
                 size = torch.maximum(rows, cols)
             else:
                 # As the rule computes it, in fp16, so inf exactly where it overflows: M ← G + μM (one
-                # op, ``momentum.accumulate_and_stack``), and with Nesterov B = G + μM, unless the batch
-                # is stacked in a wider dtype (Muon's bf16 batch for a named iteration).
+                # op, ``momentum.accumulate_and_stack``), and with Nesterov B = G + μM, also in fp16
+                # (fp16 momenta are stacked in fp16: ``_stack_dtype``).
                 mu = 1.0 if group["algorithm"] in ("dion2", "dion3") else group["mu"]
                 nesterov = group["algorithm"] in ("muon", "normuon") and group["nesterov"]
                 new = torch.add(g, m, alpha=mu)
                 size = new.abs().amax()
-                if nesterov and self._stack_dtype(group, self._layout(p, group), m) in (None, torch.float16):
+                if nesterov:
                     size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits

@@ -30,11 +30,10 @@ def accumulate_and_stack(momenta: list[Tensor], grads: list[Tensor], mu: float, 
             torch.add(g, m, alpha=mu, out=out[i])
         torch._foreach_copy_(momenta, list(out.unbind(0)))
         return out
-    for m, g in zip(momenta, grads):
+    for m, g, batch in zip(momenta, grads, out):
         torch.add(g, m, alpha=mu, out=m)
-    for i, (m, g) in enumerate(zip(momenta, grads)):
         if nesterov:  # rounded once to ``dtype``
-            torch.add(g, m, alpha=mu, out=out[i])
+            torch.add(g, m, alpha=mu, out=batch)
         else:
-            out[i].copy_(m)
+            batch.copy_(m)
     return out

@@ -21,19 +21,25 @@ def num_selected(size: int, fraction: float) -> int:
 L1_CHUNK_ELEMENTS = 1 << 16
 
 
-def l1_norms(momenta: list[Tensor], dim: int) -> Tensor:
+def l1_norms(momenta: list[Tensor], dim: int, add: list[Tensor] | None = None) -> Tensor:
     """[B, size] L1 norms of the slices along ``dim`` (0: rows, 1: columns) of same-shape matrices,
-    accumulated in fp32 or wider."""
+    accumulated in fp32 or wider. ``add``: first M ← M + add in place; on CPUs block by block, each
+    block summed and measured while it is in cache (one pass over M instead of two)."""
     m0 = momenta[0]
     acc = torch.promote_types(m0.dtype, torch.float32)
     if m0.device.type != "cpu":
+        if add is not None:
+            torch._foreach_add_(momenta, add)
         return torch.stack([torch.linalg.vector_norm(m, 1, dim=1 - dim, dtype=acc) for m in momenta])
     rows, cols = m0.shape
     step = max(1, L1_CHUNK_ELEMENTS // max(cols, 1))
     scratch = torch.empty((min(step, rows), cols), dtype=m0.dtype)
     norms = torch.zeros((len(momenta), rows if dim == 0 else cols), dtype=acc)
-    for m, out in zip(momenta, norms):
-        for block, rows_out in zip(m.split(step), out.split(step) if dim == 0 else repeat(out)):
+    for m, g, out in zip(momenta, add if add is not None else repeat(None), norms):
+        grad_blocks = g.split(step) if g is not None else repeat(None)
+        for block, grad, rows_out in zip(m.split(step), grad_blocks, out.split(step) if dim == 0 else repeat(out)):
+            if grad is not None:
+                block.add_(grad)
             part = torch.abs(block, out=scratch[: len(block)])
             if dim == 0:  # whole rows per block: each row is summed in one piece
                 torch.sum(part, dim=1, dtype=acc, out=rows_out)
@@ -44,25 +50,9 @@ def l1_norms(momenta: list[Tensor], dim: int) -> Tensor:
 
 def accumulate_and_row_norms_(momenta: list[Tensor], grads: list[Tensor]) -> Tensor:
     """M ← M + G in place and the [B, m] L1 norms of the new rows, as ``l1_norms(momenta, 0)`` after
-    ``momentum.accumulate_(momenta, grads, 1.0)`` gives them, bit for bit.
-
-    On CPUs in one pass over M: each block of rows is summed and its |M| row sums are taken while it
-    is in cache (~12 % less time than the two passes at 512-wide matrices). Elsewhere the two steps.
-    """
-    m0 = momenta[0]
-    if m0.device.type != "cpu":
-        torch._foreach_add_(momenta, grads)
-        return l1_norms(momenta, 0)
-    acc = torch.promote_types(m0.dtype, torch.float32)
-    rows, cols = m0.shape
-    step = max(1, L1_CHUNK_ELEMENTS // max(cols, 1))
-    scratch = torch.empty((min(step, rows), cols), dtype=m0.dtype)
-    norms = torch.zeros((len(momenta), rows), dtype=acc)
-    for m, g, out in zip(momenta, grads, norms):
-        for block, grad, rows_out in zip(m.split(step), g.split(step), out.split(step)):
-            block.add_(grad)
-            torch.sum(torch.abs(block, out=scratch[: len(block)]), dim=1, dtype=acc, out=rows_out)
-    return norms
+    ``momentum.accumulate_(momenta, grads, 1.0)`` gives them, bit for bit, in one pass over M on CPUs
+    (~12 % less time than the two passes at 512-wide matrices)."""
+    return l1_norms(momenta, 0, add=grads)
 
 
 def top_slices(momenta: list[Tensor], k: int, dim: int) -> Tensor:
