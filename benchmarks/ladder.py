@@ -4,12 +4,13 @@
     python benchmarks/ladder.py --sets 124m,1b:1 --json results/ladder.json --png results/ladder.png
     python benchmarks/ladder.py --device cuda --sets 124m,1b,7b:8 --json out/ladder.json
 
-Rungs: AdamW (torch, foreach and fused: the memory floor), Muon with standard Newton-Schulz,
-+ symmetric kernels, + Gram NS, Dion3 at fraction 1/2, 1/4, 1/8, Dion at rank 1/4, and
-torch.optim.Muon as an outside reference. Sets: the matrices of a GPT (q, k, v, o, MLP up and down
-per layer, nn.Linear layout) from ``orthoptim.benchmark.PRESETS``; ``NAME:L`` keeps the widths and
-takes L layers (a step's time, FLOPs and bytes grow linearly with L; ratios and passes do not
-change). 7b is GPU-only.
+Rungs: AdamW (torch, foreach and fused: the memory floor), Muon with standard Newton-Schulz as
+the library runs it by default (on CPUs its symmetric products blocked from k = 768 on), with
+every product a plain bmm (``muon_bmm``), + symmetric kernels everywhere, + Gram NS, Dion3 at
+fraction 1/2, 1/4, 1/8, Dion at rank 1/4, and torch.optim.Muon as an outside reference.
+Sets: the matrices of a GPT (q, k, v, o, MLP up and down per layer, nn.Linear layout) from
+``orthoptim.benchmark.PRESETS``; ``NAME:L`` keeps the widths and takes L layers (a step's time,
+FLOPs and bytes grow linearly with L; ratios and passes do not change). 7b is GPU-only.
 
 Per rung: median ms of --repeats timed steps after --warmup untimed ones; ratios to muon, to
 adamw (foreach) and to adamw_fused; then from one more, untimed step under the counters of
@@ -36,8 +37,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,10 +51,12 @@ import orthoptim
 from orthoptim import kernels
 from orthoptim.benchmark import (
     PRESETS,
+    environment_variable,
     gpt_matrix_shapes,
     make_params,
     median,
     parse_set,
+    plain_newton_schulz,
     symmetric_newton_schulz,
     time_steps,
 )
@@ -118,7 +121,7 @@ def _kernel_note(device: torch.device, sizes: list[int], dtype: torch.dtype) -> 
             backend = "triton (not installed)"
         by_backend.setdefault(backend, []).append(k)
     if device.type != "cuda" and set(by_backend) <= {"torch"}:
-        return "kernels: torch fallback (no Triton on CPU)"
+        return f"kernels: torch fallback (no Triton on CPU; blocked products from k = {kernels.MIN_BLOCKED_SIZE})"
     if len(by_backend) == 1:
         return f"kernels: {next(iter(by_backend))}"
     return "kernels: " + ", ".join(f"{b} for k={'/'.join(map(str, ks))}" for b, ks in sorted(by_backend.items()))
@@ -143,7 +146,10 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
         "adamw_fused": Rung("adamw_fused", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True),
                             "torch.optim.AdamW fused", 1),
         "muon": Rung("muon", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="polar_express"),
-                     f"standard NS, Polar Express, {precision}", 2),
+                     f"standard NS, Polar Express, {precision}"
+                     + ("; " + _kernel_note(device, short, torch.bfloat16) if not cuda else ""), 2),
+        "muon_bmm": Rung("muon_bmm", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer=plain_newton_schulz),
+                         f"standard NS, {precision}, every product a plain bmm", 8),
         "muon+sym": Rung("muon+sym", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer=symmetric_newton_schulz),
                          f"standard NS, {precision}; " + _kernel_note(device, short, torch.bfloat16), 8),
         "muon+gram": Rung("muon+gram", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="gram"),
@@ -173,23 +179,6 @@ def default_rungs(device: torch.device, known: list[str]) -> list[str]:
     """All rungs, but the ``_fp32`` ones only on CPUs whose default is bf16 (elsewhere they repeat)."""
     companions = device.type == "cpu" and cpu_dtype.iteration_dtype() != torch.float32
     return [n for n in known if companions or not n.endswith("_fp32")]
-
-
-@contextmanager
-def environment_variable(name: str, value: str | None) -> Iterator[None]:
-    """Set the environment variable ``name`` to ``value`` for a block (nothing when ``value`` is None)."""
-    if value is None:
-        yield
-        return
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def _cpu_capability() -> str:

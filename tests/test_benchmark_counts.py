@@ -186,8 +186,8 @@ def test_ladder_smoke(tmp_path, capsys):
     assert "| set | optimizer | median ms |" in printed.out
     assert "skipping 7b" in printed.err  # GPU-only
     results = json.loads(out.read_text())
-    expected = ["adamw", "adamw_fused", "muon", "muon+sym", "muon+gram", "dion3_f1/2", "dion3_f1/4", "dion3_f1/8",
-                "dion_r1/4", "torch_muon"]
+    expected = ["adamw", "adamw_fused", "muon", "muon_bmm", "muon+sym", "muon+gram", "dion3_f1/2", "dion3_f1/4",
+                "dion3_f1/8", "dion_r1/4", "torch_muon"]
     assert [r["optimizer"] for r in results["rows"]] == expected
     assert list(results["sets"]) == ["d32x1"]
     for r in results["rows"]:

@@ -212,7 +212,8 @@ def test_dion3_post_update_zero_rows_and_no_decay():
 def test_backend_choice(monkeypatch):
     x = torch.randn(2, 4, 8)
     monkeypatch.delenv(select.ENV_VAR, raising=False)
-    assert kernels.backend(x, 4096) == "torch"  # CPU tensors never go to Triton under auto
+    assert kernels.backend(x, 4096) == "blocked"  # CPU tensors never go to Triton under auto
+    assert kernels.backend(x, 64) == "torch"
     monkeypatch.setenv(select.ENV_VAR, "torch")
     assert kernels.backend(x, 4096) == "torch"
     monkeypatch.setenv(select.ENV_VAR, "cuda")

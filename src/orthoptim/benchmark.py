@@ -7,10 +7,12 @@ callers quote medians, never single runs.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -143,11 +145,16 @@ def orthogonalization_error(orthogonalize: Callable[[Tensor], Tensor], shape: tu
     return float(torch.linalg.vector_norm(approx - exact) / torch.linalg.vector_norm(exact))
 
 
-# The ladder's "muon+sym" rung: standard Newton-Schulz with its symmetric products on the kernels
-# (with its factored form, so that Muon fuses the last product into the update as for "muon").
+# The ladder's "muon+sym" and "muon_bmm" rungs: standard Newton-Schulz with its symmetric products
+# on the kernels everywhere, and with every product a plain bmm (each with its factored form, so
+# that Muon fuses the last product into the update as for "muon"). "muon" itself takes the default:
+# the kernels on CPUs, plain products on accelerators.
 symmetric_newton_schulz = partial(newton_schulz, coefficients=POLAR_EXPRESS, symmetric_kernels=True)
 symmetric_newton_schulz.factored = partial(newton_schulz_factors, coefficients=POLAR_EXPRESS,  # type: ignore[attr-defined]
                                            symmetric_kernels=True)
+plain_newton_schulz = partial(newton_schulz, coefficients=POLAR_EXPRESS, symmetric_kernels=False)
+plain_newton_schulz.factored = partial(newton_schulz_factors, coefficients=POLAR_EXPRESS,  # type: ignore[attr-defined]
+                                       symmetric_kernels=False)
 
 
 def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:
@@ -157,3 +164,20 @@ def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:
         "gram": partial(orthoptim.gram_newton_schulz, coefficients="polar_express"),
         "newton_schulz": partial(orthoptim.newton_schulz, coefficients="keller_jordan"),
     }
+
+
+@contextmanager
+def environment_variable(name: str, value: str | None) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` for a block (nothing when ``value`` is None)."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old

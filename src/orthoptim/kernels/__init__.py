@@ -3,7 +3,8 @@
 Every function here has a torch implementation (``torch_backend``, correct on every device) and a
 Triton one (``triton_symmetric``, ``triton_dion3``) used on CUDA when ``triton`` is installed and the
 problem is big enough to win; the symmetric products can also run on QuACK's external CuTeDSL
-kernels (``quack_symmetric``, the ``hopper`` extra), which fall back here on any failure.
+kernels (``quack_symmetric``, the ``hopper`` extra), which fall back here on any failure, and, on
+CPUs, block by block with only the upper half computed (``cpu_symmetric``) where k is large enough.
 ``ORTHOPTIM_KERNELS=torch|triton|quack|auto`` overrides the choice (see ``select``). Triton and
 QuACK are optional: nothing here imports them until a CUDA tensor asks for them.
 """
@@ -15,30 +16,36 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from orthoptim.kernels import quack_symmetric, select, torch_backend
-from orthoptim.kernels.select import ENV_VAR, MIN_TRITON_SIZE
+from orthoptim.kernels import cpu_symmetric, quack_symmetric, select, torch_backend
+from orthoptim.kernels.select import ENV_VAR, MIN_BLOCKED_SIZE, MIN_TRITON_SIZE
 
 _SYMMETRIC = "triton_symmetric"
 _DION3 = "triton_dion3"
 
 
 def backend(x: Tensor, size: int | None = None) -> str:
-    """The backend ("torch", "triton" or "quack") a symmetric product with output side ``size`` would use."""
+    """The backend ("torch", "triton", "quack" or "blocked") a symmetric product with output side
+    ``size`` would use."""
     if select.use_quack(x, size=size):
         return "quack"
-    return "triton" if select.use_triton(x, size=size, module=_SYMMETRIC) else "torch"
+    if select.use_triton(x, size=size, module=_SYMMETRIC):
+        return "triton"
+    return "blocked" if select.use_blocked(x, size=size) else "torch"
 
 
 def gram(x: Tensor, out: Tensor | None = None) -> Tensor:
     """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric).
 
-    ``out`` (here and below): where the torch backend writes the result. The Triton and QuACK
-    kernels return fresh tensors, so callers use the returned tensor, not ``out``.
+    ``out`` (here and below): where the torch and blocked backends write the result (a contiguous
+    [B, k, k] tensor of the inputs' dtype; the blocked one takes a fresh tensor for any other). The
+    Triton and QuACK kernels return fresh tensors, so callers use the returned tensor, not ``out``.
     """
     if select.use_quack(x, size=x.shape[-2]) and (out := quack_symmetric.gram(x)) is not None:
         return out
     if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).gram(x)
+    if select.use_blocked(x, size=x.shape[-2]):
+        return cpu_symmetric.gram(x, out=out)
     return torch_backend.gram(x, out=out)
 
 
@@ -48,19 +55,24 @@ def symmetric_polynomial(r: Tensor, a: float, b: float, c: float, out: Tensor | 
         return out
     if select.use_triton(r, size=r.shape[-1], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).symmetric_polynomial(r, a, b, c)
+    if select.use_blocked(r, size=r.shape[-1]):
+        return cpu_symmetric.symmetric_polynomial(r, a, b, c, out=out)
     return torch_backend.symmetric_polynomial(r, a, b, c, out=out)
 
 
 def symmetric_product(p: Tensor, q: Tensor, out: Tensor | None = None) -> Tensor:
     """P Q for batches of symmetric P, Q [B, k, k] that commute (e.g. polynomials in one matrix R).
 
-    The result is then symmetric, which the Triton kernel relies on: it computes the lower half only.
+    The result is then symmetric, which the Triton and blocked kernels rely on: they compute one
+    half only.
     """
     if p.dtype == q.dtype and select.use_quack(p, q, size=p.shape[-1]) and \
             (out := quack_symmetric.symmetric_product(p, q)) is not None:
         return out
     if p.dtype == q.dtype and select.use_triton(p, q, size=p.shape[-1], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).symmetric_product(p, q)
+    if p.dtype == q.dtype and select.use_blocked(p, q, size=p.shape[-1]):
+        return cpu_symmetric.symmetric_product(p, q, out=out)
     return torch_backend.symmetric_product(p, q, out=out)
 
 
@@ -112,6 +124,7 @@ def _dion3_triton(
 
 __all__ = [
     "ENV_VAR",
+    "MIN_BLOCKED_SIZE",
     "MIN_TRITON_SIZE",
     "backend",
     "dion3_post_update",

@@ -4,10 +4,12 @@
 
 - ``auto`` (default, also when unset or empty): for CUDA tensors whose output side is at least
   ``MIN_TRITON_SIZE``, QuACK's CuTeDSL symmetric GEMMs when ``quack-kernels`` is installed (the
-  ``hopper`` extra; fp16/bf16 on sm90+), else Triton when ``triton`` is installed; torch everywhere
-  else (CPU tensors always).
+  ``hopper`` extra; fp16/bf16 on sm90+), else Triton when ``triton`` is installed; for bf16/fp32
+  CPU tensors whose output side is at least ``MIN_BLOCKED_SIZE``, the blocked products of
+  ``cpu_symmetric``; torch everywhere else.
 - ``quack``: QuACK's kernels wherever they can run, whatever the size; torch for everything else.
 - ``torch``: the torch backend everywhere.
+- ``blocked``: ``cpu_symmetric`` for every CPU tensor, whatever the size or dtype; torch elsewhere.
 - ``triton``: Triton wherever it can run, whatever the size: CUDA tensors, and CPU tensors when the
   Triton kernels were imported under ``TRITON_INTERPRET=1`` (the CPU interpreter, for tests). Torch
   for everything else (e.g. float64). Raises ImportError when ``triton`` is not installed.
@@ -27,7 +29,7 @@ import torch
 from torch import Tensor
 
 ENV_VAR = "ORTHOPTIM_KERNELS"
-CHOICES = ("auto", "torch", "triton", "quack")
+CHOICES = ("auto", "torch", "triton", "quack", "blocked")
 
 # Output side (k of a k×k result) from which ``auto`` picks the symmetric Triton kernels on CUDA.
 # Below it one or a few tiles per matrix leave most of the GPU idle and cuBLAS wins on launch cost.
@@ -36,6 +38,12 @@ CHOICES = ("auto", "torch", "triton", "quack")
 MIN_TRITON_SIZE = 512
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Output side from which ``auto`` computes a CPU tensor's symmetric products block by block
+# (``cpu_symmetric``). Measured with benchmarks/cpu_symmetric_bench.py on AMD Zen 4 (bf16 and
+# fp32, one and two threads): 1.2-1.6x from k = 768 on, 0.5-1.2x (often a loss) at 256-512.
+MIN_BLOCKED_SIZE = 768
+BLOCKED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def requested() -> str:
@@ -82,10 +90,20 @@ def use_quack(*tensors: Tensor, size: int | None = None) -> bool:
     return quack_symmetric.can_run(*tensors)
 
 
+def use_blocked(*tensors: Tensor, size: int | None = None) -> bool:
+    """True when ``cpu_symmetric``'s blocked products should run a product of ``tensors`` (output side ``size``)."""
+    choice = requested()
+    if choice not in ("auto", "blocked") or not all(t.device.type == "cpu" for t in tensors):
+        return False
+    if choice == "blocked":
+        return True
+    return all(t.dtype in BLOCKED_DTYPES for t in tensors) and size is not None and size >= MIN_BLOCKED_SIZE
+
+
 def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
     """True when the Triton ``module`` should run a product of ``tensors`` (output side ``size``)."""
     choice = requested()
-    if choice in ("torch", "quack"):
+    if choice in ("torch", "quack", "blocked"):
         return False
     if choice == "triton":
         return _triton_can_run(tensors, module)

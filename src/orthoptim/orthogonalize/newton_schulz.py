@@ -19,7 +19,7 @@ def newton_schulz(
     *,
     dtype: torch.dtype | None = None,
     eps: float = 1e-7,
-    symmetric_kernels: bool = False,
+    symmetric_kernels: bool | None = None,
 ) -> Tensor:
     """Approximate the polar factor U Vᵀ of every matrix in ``x`` ([..., k, n]).
 
@@ -30,8 +30,12 @@ def newton_schulz(
     on CPUs bf16 where they multiply it natively, else fp32: see ``kernels.cpu_dtype``); returns
     ``x.dtype``.
     ``symmetric_kernels``: compute the two symmetric products (A and bA + cA²) through
-    ``orthoptim.kernels`` (lower-triangle Triton kernels on CUDA where they run; the same torch
-    products elsewhere), to measure what they buy before the Gram form changes the iteration.
+    ``orthoptim.kernels``, which pick per product: half-computed blocked products on CPUs from
+    ``kernels.MIN_BLOCKED_SIZE`` rows on, lower-triangle Triton kernels on CUDA where they run, plain
+    batched products elsewhere. ``False``: plain batched products everywhere. ``None`` (default):
+    the kernels on CPUs, where the blocked products were measured to win, and plain products on
+    accelerators until the Triton crossover for this iteration is measured (the ladder's
+    ``muon+sym`` rung measures it).
     """
     factors = newton_schulz_factors(x, coefficients, dtype=dtype, eps=eps, symmetric_kernels=symmetric_kernels)
     return factors.finish(x)
@@ -43,7 +47,7 @@ def newton_schulz_factors(
     *,
     dtype: torch.dtype | None = None,
     eps: float = 1e-7,
-    symmetric_kernels: bool = False,
+    symmetric_kernels: bool | None = None,
 ) -> PolarFactors:
     """``newton_schulz`` without its last product: the polar factors are (aI + bA + cA²) X of the
     last iteration, returned as that k×k left factor and X ([B, k, n] batches, see ``PolarFactors``)."""
@@ -58,10 +62,12 @@ def newton_schulz_factors(
     # new memory whose page faults cost 10-20 % of a bf16 iteration at 512×512. Both X buffers are
     # contiguous: a tall input's first X may have a transposed layout, and a CPU product written
     # into such an output runs over 1000x slower. The caller's tensor is never written.
+    if symmetric_kernels is None:
+        symmetric_kernels = X.device.type == "cpu"
     products = kernels if symmetric_kernels else torch_backend
     k = X.shape[-2]
     A = P = None
-    if products is torch_backend or kernels.backend(X, size=k) == "torch":
+    if products is torch_backend or kernels.backend(X, size=k) in ("torch", "blocked"):
         A = X.new_empty((X.shape[0], k, k))
         P = torch.empty_like(A)
     buffers = (X.new_empty(X.shape), X if owned and X.is_contiguous() else X.new_empty(X.shape))

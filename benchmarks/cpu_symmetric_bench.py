@@ -1,0 +1,122 @@
+"""CPU micro-benchmark: the blocked symmetric products (``kernels.cpu_symmetric``) against plain bmm.
+
+    python benchmarks/cpu_symmetric_bench.py --threads 1,2 --json results/cpu_symmetric.json
+
+For each dtype (bf16 where the CPU multiplies it natively, and fp32), each thread count and each
+side k, times X Xᵀ on [B, k, 4k] and a I + b R + c R² on [B, k, k] with torch.bmm/baddbmm and with
+the blocked products at several block sizes, then a whole standard Newton-Schulz (Polar Express, 5
+iterations) on [B, k, k] both ways. Prints speedups (plain time / blocked time, medians of
+``--repeats`` after a warm-up) and ``suggested_min_blocked_size``: the smallest k from which the
+blocked products at ``cpu_symmetric.BLOCK`` won every product, dtype and thread count measured at
+that k and above (the value for ``orthoptim.kernels.select.MIN_BLOCKED_SIZE``). A benchmark, not a
+test: these machines are shared, so compare ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from datetime import datetime, timezone
+from functools import partial
+
+import torch
+
+from orthoptim.benchmark import environment_variable, median, time_steps
+from orthoptim.kernels import cpu_dtype, cpu_symmetric, select
+from orthoptim.orthogonalize import newton_schulz
+from orthoptim.train.results import write_json
+
+SIDES = [256, 384, 512, 768, 1024, 2048]
+BLOCKS = [128, 256, 512]
+
+
+def batch_for(k: int) -> int:
+    """Matrices per batch: about 2²² elements of k×k, 1 to 16."""
+    return max(1, min(16, (1 << 22) // (k * k)))
+
+
+def measure(k: int, dtype: torch.dtype, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(k)
+    b = batch_for(k)
+    x = torch.randn(b, k, 4 * k, generator=gen).to(dtype)
+    r = (torch.bmm(x, x.mT) / (4 * k)).to(dtype)
+    out = torch.empty(b, k, k, dtype=dtype)
+
+    def ms(fn) -> float:
+        return median(time_steps(fn, warmup=1, repeats=repeats))
+
+    row = {"k": k, "batch": b, "dtype": str(dtype).removeprefix("torch."),
+           "gram_bmm_ms": ms(lambda: torch.bmm(x, x.mT, out=out)),
+           "polynomial_bmm_ms": ms(lambda: torch.baddbmm(r, r, r, beta=-0.5, alpha=0.25, out=out)),
+           "blocks": {}}
+    for block in BLOCKS:
+        if block >= k:
+            continue
+        g = ms(partial(cpu_symmetric.gram, x, out=out, block=block))
+        p = ms(partial(cpu_symmetric.symmetric_polynomial, r, 1.0, -0.5, 0.25, out=out, block=block))
+        row["blocks"][block] = {"gram_speedup": row["gram_bmm_ms"] / g,
+                                "polynomial_speedup": row["polynomial_bmm_ms"] / p}
+    square = r[:, :, :k].contiguous()
+    plain = ms(lambda: newton_schulz(square, dtype=dtype, symmetric_kernels=False))
+    blocked_ns = ms(lambda: _blocked_newton_schulz(square, dtype))
+    row["newton_schulz_speedup"] = plain / blocked_ns
+    return row
+
+
+def _blocked_newton_schulz(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with environment_variable(select.ENV_VAR, "blocked"):
+        return newton_schulz(x, dtype=dtype, symmetric_kernels=True)
+
+
+def suggested_min_size(rows: list[dict]) -> int | None:
+    """Smallest k from which the default block won every product measured there and above."""
+    def wins(row: dict) -> bool:
+        at = row["blocks"].get(cpu_symmetric.BLOCK)
+        return at is not None and at["gram_speedup"] > 1.0 and at["polynomial_speedup"] > 1.0
+
+    sides = sorted({row["k"] for row in rows})
+    for k in sides:
+        if all(wins(row) for row in rows if row["k"] >= k):
+            return k
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", default="1,2", help="comma list of torch CPU thread counts")
+    parser.add_argument("--sides", default=",".join(map(str, SIDES)), help="comma list of k")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    dtypes = [torch.float32]
+    if cpu_dtype.native_bf16_matmul():
+        dtypes.insert(0, torch.bfloat16)
+    rows = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        print(f"\n{threads} thread(s): speedup of the blocked products over bmm (block size: gram / polynomial), "
+              "and of a whole standard NS\n")
+        print("| dtype | k × n (batch) | " + " | ".join(f"block {b}" for b in BLOCKS) + " | NS, block "
+              f"{cpu_symmetric.BLOCK} |")
+        print("|---|---|" + "---:|" * (len(BLOCKS) + 1))
+        for dtype in dtypes:
+            for k in [int(s) for s in args.sides.split(",")]:
+                row = measure(k, dtype, args.repeats)
+                row["threads"] = threads
+                rows.append(row)
+                cells = [f"{row['blocks'][b]['gram_speedup']:.2f} / {row['blocks'][b]['polynomial_speedup']:.2f}"
+                         if b in row["blocks"] else "" for b in BLOCKS]
+                print(f"| {row['dtype']} | {k} × {4 * k} ({row['batch']}) | " + " | ".join(cells)
+                      + f" | {row['newton_schulz_speedup']:.2f} |", flush=True)
+    suggestion = suggested_min_size(rows)
+    print(f"\nsuggested_min_blocked_size: {suggestion} (block {cpu_symmetric.BLOCK})")
+    if args.json:
+        write_json(args.json, {
+            "benchmark": "cpu_symmetric", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+            "block": cpu_symmetric.BLOCK, "suggested_min_blocked_size": suggestion, "rows": rows,
+        })
+
+
+if __name__ == "__main__":
+    main()
