@@ -8,10 +8,10 @@ T = 8), for a few GEMM calls per matrix and one transposed copy of the lower hal
 
 Each block row is a plain GEMM on views (strided rows are BLAS's leading dimension), so every
 element is the same sum of products a full GEMM forms, accumulated and rounded as oneDNN/MKL do.
-Below ~768 rows the smaller GEMMs run slow enough to lose what they skip (bf16 on one AMD Zen 4
-core: 0.5-1.2x at k = 256-512; 1.2-1.6x at k = 768-2048, one or two threads; see
-``benchmarks/cpu_symmetric_bench.py``), which is why ``select`` only picks them from
-``MIN_BLOCKED_SIZE`` on.
+Below ~768 rows the smaller GEMMs run slow enough to lose what they skip (AMD Zen 4, bf16 and
+fp32: 0.6-1.4x per product at k = 256-512, losses mostly on two threads; 1.1-1.8x from k = 768 to
+2048 on one and two threads; ``benchmarks/cpu_symmetric_bench.py``), which is why ``select`` only
+picks them from ``MIN_BLOCKED_SIZE`` on.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-# Rows per block: the fastest of 128-512 at k = 768-2048 in bf16 on one and two threads.
+# Rows per block: 128 and 256 tie within 4 % on whole Muon and Dion3 steps at k = 768-1024; 512 is slower.
 BLOCK = 256
 
 

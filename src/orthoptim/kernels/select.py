@@ -41,7 +41,8 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Output side from which ``auto`` computes a CPU tensor's symmetric products block by block
 # (``cpu_symmetric``). Measured with benchmarks/cpu_symmetric_bench.py on AMD Zen 4 (bf16 and
-# fp32, one and two threads): 1.2-1.6x from k = 768 on, 0.5-1.2x (often a loss) at 256-512.
+# fp32, one and two threads): 1.1-1.8x per product from k = 768 on; 0.6-1.4x at 256-512, where
+# the k×k products lose on two threads.
 MIN_BLOCKED_SIZE = 768
 BLOCKED_DTYPES = (torch.bfloat16, torch.float32)
 
