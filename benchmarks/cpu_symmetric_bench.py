@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from orthoptim.benchmark import environment_variable, median, time_steps
-from orthoptim.kernels import cpu_dtype, cpu_symmetric, select
+from orthoptim.kernels import cpu_dtype, cpu_symmetric, select, torch_backend
 from orthoptim.orthogonalize import newton_schulz
 from orthoptim.train.results import write_json
 
@@ -47,7 +47,7 @@ def measure(k: int, dtype: torch.dtype, repeats: int) -> dict:
 
     row = {"k": k, "batch": b, "dtype": str(dtype).removeprefix("torch."),
            "gram_bmm_ms": ms(lambda: torch.bmm(x, x.mT, out=out)),
-           "polynomial_bmm_ms": ms(lambda: torch.baddbmm(r, r, r, beta=-0.5, alpha=0.25, out=out)),
+           "polynomial_bmm_ms": ms(lambda: torch_backend.symmetric_polynomial(r, 1.0, -0.5, 0.25, out=out)),
            "blocks": {}}
     for block in BLOCKS:
         if block >= k:

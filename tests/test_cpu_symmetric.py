@@ -70,11 +70,11 @@ def test_out_is_used_when_it_fits_and_replaced_when_not():
     out = torch.empty(2, 40, 40, dtype=F64)
     assert cpu_symmetric.gram(x, out=out, block=16) is out
     torch.testing.assert_close(out, x @ x.mT, **TOL[F64])
-    for bad in (torch.empty(2, 40, 40, dtype=F64).mT, torch.empty(2, 40, 40), torch.empty(1, 40, 40, dtype=F64)):
-        before = bad.clone()
+    for bad in (torch.full((2, 40, 40), 7.0, dtype=F64).mT, torch.full((2, 40, 40), 7.0),
+                torch.full((1, 40, 40), 7.0, dtype=F64)):
         got = cpu_symmetric.symmetric_polynomial(r, 1.0, 2.0, 3.0, out=bad, block=16)
         assert got is not bad and got.is_contiguous()
-        assert torch.equal(bad, before) or bad.isnan().any()  # never written
+        assert (bad == 7.0).all()  # never written
         torch.testing.assert_close(got, torch.eye(40, dtype=F64) + 2 * r + 3 * r @ r, **TOL[F64])
 
 
@@ -118,6 +118,31 @@ def test_dispatch_routes_every_product(monkeypatch):
     with pytest.raises(RuntimeError):  # mixed dtypes go to the torch backend, which refuses them
         kernels.symmetric_product(r.float(), p)
     assert calls == []
+
+
+def test_differentiable_calls_keep_bmm(monkeypatch):
+    monkeypatch.setenv(select.ENV_VAR, "blocked")
+    x = torch.randn(2, 20, 30, requires_grad=True)
+    assert kernels.backend(x, size=20) == "torch"
+    kernels.gram(x).sum().backward()  # a blocked product (mm with out=) could not be differentiated
+    torch.testing.assert_close(x.grad, 2 * x.detach().sum(-2, keepdim=True).expand(2, 20, 30).clone(),
+                               rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert kernels.backend(x, size=20) == "blocked"
+
+
+def test_auto_sends_newton_schulz_through_blocked_products_from_the_threshold(monkeypatch):
+    calls = []
+    real = cpu_symmetric.gram
+    monkeypatch.setattr(cpu_symmetric, "gram", lambda *a, **kw: (calls.append(a[0].shape[-2]), real(*a, **kw))[1])
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "MIN_BLOCKED_SIZE", 24)
+    monkeypatch.setattr(cpu_symmetric, "BLOCK", 8)
+    newton_schulz(torch.randn(2, 23, 40), dtype=torch.float32)
+    assert calls == []
+    newton_schulz(torch.randn(2, 24, 40), dtype=torch.float32)
+    newton_schulz(torch.randn(2, 40, 24), dtype=torch.float32)  # tall: the short side counts
+    assert calls == [24] * 10
 
 
 def test_auto_at_real_size_matches_bmm(monkeypatch):

@@ -5,7 +5,7 @@ Triton one (``triton_symmetric``, ``triton_dion3``) used on CUDA when ``triton``
 problem is big enough to win; the symmetric products can also run on QuACK's external CuTeDSL
 kernels (``quack_symmetric``, the ``hopper`` extra), which fall back here on any failure, and, on
 CPUs, block by block with only the upper half computed (``cpu_symmetric``) where k is large enough.
-``ORTHOPTIM_KERNELS=torch|triton|quack|auto`` overrides the choice (see ``select``). Triton and
+``ORTHOPTIM_KERNELS=torch|triton|quack|blocked|auto`` overrides the choice (see ``select``). Triton and
 QuACK are optional: nothing here imports them until a CUDA tensor asks for them.
 """
 

@@ -96,6 +96,9 @@ def use_blocked(*tensors: Tensor, size: int | None = None) -> bool:
     choice = requested()
     if choice not in ("auto", "blocked") or not all(t.device.type == "cpu" for t in tensors):
         return False
+    # Products written into views (out=) have no autograd: differentiable calls keep bmm.
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
     if choice == "blocked":
         return True
     return all(t.dtype in BLOCKED_DTYPES for t in tensors) and size is not None and size >= MIN_BLOCKED_SIZE
