@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from orthoptim.benchmark import environment_variable, median, time_steps
+from orthoptim.benchmark import environment_variable, median, smallest_winning_size, time_steps
 from orthoptim.kernels import cpu_dtype, cpu_symmetric, select, torch_backend
 from orthoptim.orthogonalize import newton_schulz
 from orthoptim.train.results import write_json
@@ -70,15 +70,12 @@ def _blocked_newton_schulz(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def suggested_min_size(rows: list[dict]) -> int | None:
     """Smallest k from which the default block won every product measured there and above."""
-    def wins(row: dict) -> bool:
+    wins: dict[int, bool] = {}
+    for row in rows:
         at = row["blocks"].get(cpu_symmetric.BLOCK)
-        return at is not None and at["gram_speedup"] > 1.0 and at["polynomial_speedup"] > 1.0
-
-    sides = sorted({row["k"] for row in rows})
-    for k in sides:
-        if all(wins(row) for row in rows if row["k"] >= k):
-            return k
-    return None
+        won = at is not None and at["gram_speedup"] > 1.0 and at["polynomial_speedup"] > 1.0
+        wins[row["k"]] = wins.get(row["k"], True) and won
+    return smallest_winning_size(wins)
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from functools import partial
 import torch
 
 from orthoptim import kernels
+from orthoptim.benchmark import smallest_winning_size
 from orthoptim.kernels import torch_backend
 from orthoptim.orthogonalize import POLAR_EXPRESS, gram_newton_schulz, newton_schulz
 
@@ -228,12 +229,7 @@ def suggest_min_size(rows: list[dict]) -> int | None:
         if r.get("op") in ("symmetric_polynomial", "symmetric_product", "gram") and "speedup" in r:
             k = r["shape"][1]
             wins[k] = wins.get(k, True) and r["speedup"] > 1.0
-    best = None
-    for k in sorted(wins, reverse=True):
-        if not wins[k]:
-            break
-        best = k
-    return best
+    return smallest_winning_size(wins)
 
 
 def _use_smoke_settings() -> None:

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 import orthoptim
-from orthoptim.benchmark import gpt_matrix_shapes, make_params, parse_set, symmetric_newton_schulz
+from orthoptim.benchmark import (
+    gpt_matrix_shapes,
+    make_params,
+    parse_set,
+    smallest_winning_size,
+    symmetric_newton_schulz,
+)
 from orthoptim.benchmark_counts import (
     TrafficMode,
     count_step,
@@ -319,3 +325,24 @@ def test_paired_smoke(tmp_path, capsys):
         paired.main(["--set", "d32x1", "--pairs", "muon:nope", "--steps", "1"])
     with pytest.raises(SystemExit, match="A:B pairs"):
         paired.main(["--set", "d32x1", "--pairs", "muon", "--steps", "1"])
+
+
+def test_smallest_winning_size():
+    assert smallest_winning_size({256: False, 512: True, 1024: True}) == 512
+    assert smallest_winning_size({256: True, 512: False, 1024: True}) == 1024  # a loss above resets it
+    assert smallest_winning_size({256: True, 1024: False}) is None
+    assert smallest_winning_size({}) is None
+
+
+def test_cpu_symmetric_bench_suggestion_needs_every_row_at_and_above_k():
+    bench = _benchmark("cpu_symmetric_bench.py", "cpu_symmetric_bench")
+    block = bench.cpu_symmetric.BLOCK
+
+    def row(k, gram, poly):
+        return {"k": k, "blocks": {block: {"gram_speedup": gram, "polynomial_speedup": poly}}}
+
+    rows = [row(512, 1.2, 0.9), row(768, 1.3, 1.1), row(768, 1.2, 1.05), row(1024, 1.5, 1.4)]
+    assert bench.suggested_min_size(rows) == 768
+    rows.append(row(1024, 1.4, 0.99))  # one thread count losing at 1024 leaves no threshold
+    assert bench.suggested_min_size(rows) is None
+    assert bench.suggested_min_size([{"k": 256, "blocks": {}}]) is None  # block not measured: not a win

@@ -11,7 +11,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -164,6 +164,17 @@ def orthogonalizer_callables() -> dict[str, Callable[[Tensor], Tensor]]:
         "gram": partial(orthoptim.gram_newton_schulz, coefficients="polar_express"),
         "newton_schulz": partial(orthoptim.newton_schulz, coefficients="keller_jordan"),
     }
+
+
+def smallest_winning_size(wins: Mapping[int, bool]) -> int | None:
+    """The smallest size k such that a kernel won at k and at every larger size measured (``wins``:
+    size → whether it won everything measured there); None when it lost at the largest size."""
+    best = None
+    for k in sorted(wins, reverse=True):
+        if not wins[k]:
+            break
+        best = k
+    return best
 
 
 @contextmanager

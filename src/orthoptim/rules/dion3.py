@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-import torch
 from torch import Tensor
 
 from orthoptim import kernels
@@ -42,8 +41,7 @@ def dion3_update(
     """
     if select is None:  # M ← M + G with the rows' L1 norms in the same pass
         norms = selection.accumulate_and_row_norms_(momenta, grads)
-        k = selection.num_selected(momenta[0].shape[0], fraction)
-        index = torch.topk(norms, k, dim=-1, sorted=False).indices
+        index = selection.largest(norms, selection.num_selected(momenta[0].shape[0], fraction))
     else:
         momentum.accumulate_(momenta, grads, 1.0)
         index = select(momenta)

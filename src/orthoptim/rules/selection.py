@@ -55,9 +55,14 @@ def accumulate_and_row_norms_(momenta: list[Tensor], grads: list[Tensor]) -> Ten
     return l1_norms(momenta, 0, add=grads)
 
 
+def largest(norms: Tensor, k: int) -> Tensor:
+    """Indices [B, k] of the k largest of each matrix's slice norms ``norms`` [B, size], unsorted."""
+    return torch.topk(norms, k, dim=-1, sorted=False).indices
+
+
 def top_slices(momenta: list[Tensor], k: int, dim: int) -> Tensor:
     """Indices [B, k] of the k slices along ``dim`` (0: rows, 1: columns) with largest L1 norm."""
-    return torch.topk(l1_norms(momenta, dim), k, dim=-1, sorted=False).indices
+    return largest(l1_norms(momenta, dim), k)
 
 
 # An index is a [B, k] tensor, or a list of B 1-D tensors of different lengths when each matrix keeps
