@@ -70,8 +70,8 @@ def gram_newton_schulz_factors(
     if transposed:
         batch = batch.mT
     X, unnormalized, owned = start(batch, work, eps)
-    # Products into buffers that later ones reuse where the torch backend computes them (on CPUs
-    # fresh memory costs page faults; see newton_schulz); the Triton and QuACK kernels return theirs.
+    # Products into buffers that later ones reuse where the torch or blocked backend computes them (on
+    # CPUs fresh memory costs page faults; see newton_schulz); the Triton and QuACK kernels return theirs.
     spare = _Buffers(X, X.shape[-2], owned)
     R = kernels.gram(X, out=spare.matrix())
     scale = normalize_gram_(R, eps) if unnormalized else None  # X₀/‖X₀‖ is scale · X

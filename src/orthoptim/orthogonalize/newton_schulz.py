@@ -57,8 +57,8 @@ def newton_schulz_factors(
     if transposed:
         batch = batch.mT
     X, unnormalized, owned = start(batch, working_dtype(x, dtype, torch.bfloat16), eps)
-    # The products write into buffers that serve every iteration: A and its polynomial P (torch
-    # backend), and two for X. A fresh tensor per product is free on GPUs, but on CPUs each one is
+    # The products write into buffers that serve every iteration: A and its polynomial P (torch and
+    # blocked backends), and two for X. A fresh tensor per product is free on GPUs, but on CPUs each one is
     # new memory whose page faults cost 10-20 % of a bf16 iteration at 512×512. Both X buffers are
     # contiguous: a tall input's first X may have a transposed layout, and a CPU product written
     # into such an output runs over 1000x slower. The caller's tensor is never written.
