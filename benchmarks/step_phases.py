@@ -26,7 +26,7 @@ import torch
 from orthoptim import kernels
 from orthoptim.benchmark import gpt_matrix_shapes, make_params, median, optimizer_factories, parse_set
 from orthoptim.kernels import cpu_dtype
-from orthoptim.optim import base
+from orthoptim.optim import base, nonfinite
 from orthoptim.rules import momentum, selection, weight_decay
 from orthoptim.train.results import write_json
 
@@ -46,7 +46,7 @@ PHASES = [
     (weight_decay, "decay_", "weight decay"),
     (weight_decay, "apply_", "apply update"),
     (weight_decay, "apply_polar_factors_", "last product + decay + update (Muon)"),
-    (base.OrthonormalOptimizer, "_finite", "non-finite check"),
+    (nonfinite.GradientChecks, "_finite", "non-finite check"),
 ]
 
 

@@ -522,8 +522,8 @@ def _grid_blocks(rank: int, world: int, case: str, fallback: bool = False) -> st
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if fallback:  # the library's own torch.chunk rule, for torch versions without DTensor's private one
-        from orthoptim.optim import base
-        base._dtensor_local_shape = None
+        from orthoptim.distributed import dtensor
+        dtensor._dtensor_local_shape = None
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
 
     def make(placements, local_shape):

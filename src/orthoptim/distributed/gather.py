@@ -3,16 +3,22 @@
 ``DTensor.full_tensor()`` gathers one tensor at a time: for a model's TP-sharded matrices that is one
 collective per matrix and per state tensor. Tensors that share a shape, dtype, mesh and placements
 are stacked along a new leading dim (each placement ``Shard(d)`` becomes ``Shard(d + 1)``), so
-that one ``full_tensor()`` of the stack gathers them all.
+that one ``full_tensor()`` of the stack gathers them all. ``Gathered``: the whole momentum,
+gradient and row variance of a sharded matrix for the step's "gathered" layout, and the write-back
+of each rank's block.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats
+from orthoptim.distributed.dtensor import distribute_tensor
 from orthoptim.distributed.megabatch import megabatches
+from orthoptim.rules.weight_decay import decay_
 
 
 def _stackable(t) -> bool:
@@ -60,3 +66,41 @@ def full_tensors(tensors: list, stats: CommStats | None = None) -> list[Tensor]:
         for j, i in enumerate(batch):
             out[i] = whole[j]
     return out  # type: ignore[return-value]
+
+
+class Gathered:
+    """Whole copies of a sharded matrix's momentum, gradient and row variance for one step.
+
+    The rule runs on these with a zero "parameter" that collects the update (its weight decay is
+    applied on the shard directly); ``write_back`` keeps each rank's block. ``gather_all`` builds
+    them for many parameters with one set of collectives per layout.
+    """
+
+    def __init__(self, p: Tensor, state: dict[str, Any], momentum: Tensor, grad: Tensor, variance: Tensor | None):
+        self.p, self.state = p, state
+        self.momentum, self.grad, self.variance = momentum, grad, variance
+        self.delta = torch.zeros(p.shape, dtype=p.dtype, device=self.momentum.device)
+
+    @classmethod
+    def gather_all(cls, params: list[Tensor], states: list[dict[str, Any]],
+                   stats: CommStats | None) -> list[Gathered]:
+        with_variance = [s for s in states if "variance" in s]
+        whole = full_tensors([s["momentum"] for s in states] + [p.grad for p in params]
+                             + [s["variance"] for s in with_variance], stats)
+        n = len(params)
+        variances = iter(whole[2 * n:])
+        return [cls(p, s, whole[i], whole[n + i], next(variances) if "variance" in s else None)
+                for i, (p, s) in enumerate(zip(params, states))]
+
+    @staticmethod
+    def _block(full: Tensor, like: Tensor) -> Tensor:
+        # Slicing only (src_data_rank=None): every rank already holds the same whole tensor.
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+    def write_back(self, lr: float | Tensor, weight_decay: float) -> None:
+        local = self.p.to_local()
+        decay_([local], lr, weight_decay)
+        local.add_(self._block(self.delta, self.p))
+        self.state["momentum"].to_local().copy_(self._block(self.momentum, self.p))
+        if self.variance is not None:
+            self.state["variance"].to_local().copy_(self._block(self.variance, self.state["variance"]))

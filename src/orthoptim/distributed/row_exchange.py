@@ -11,13 +11,14 @@ are exchanged, and ranks with empty shards or no owned matrices still join both 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats, all_gather_batch
-from orthoptim.rules.selection import l1_norms
+from orthoptim.rules.selection import l1_norms, num_selected
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
@@ -150,3 +151,26 @@ class GlobalRowSelection:
         self.counts = [(owner == s).sum(-1).tolist() for s in range(self.world)]
         mine = owner == self.rank
         return [row[keep] - starts[self.rank] for row, keep in zip(top, mine)]
+
+
+class RowShardedPlan:
+    """The communication around one megabatch of row-sharded matrices: which rows each rank sends
+    (all, per-shard top-k, or exact global top-k) and the two all-to-alls around the middle step."""
+
+    def __init__(self, group: dist.ProcessGroup, rows: int, batch: int, stats: CommStats | None):
+        self.group, self.rows, self.batch, self.stats = group, rows, batch, stats
+        self.counts: Callable[[], list] = lambda: shard_rows(rows, dist.get_world_size(group))
+
+    def select_rows(self, fraction: float, scope: str) -> Callable[[list[Tensor]], Any] | None:
+        """Per-shard top-k needs no hook (the rule's own top-k on local rows); global selection does."""
+        if scope == "global":
+            selector = GlobalRowSelection(self.group, self.rows, num_selected(self.rows, fraction), self.stats)
+            self.counts = lambda: selector.counts
+            return selector
+        per_shard = [num_selected(c, fraction) for c in shard_rows(self.rows, dist.get_world_size(self.group))]
+        self.counts = lambda: per_shard
+        return None
+
+    def around(self, fn: Callable[..., Any]) -> Callable[..., tuple[Tensor, ...]]:
+        """``fn`` run on whole rows at the owner ranks, called with and returning this rank's rows."""
+        return lambda *local: RowExchange(self.group, self.counts(), self.batch, self.stats).run(fn, *local)

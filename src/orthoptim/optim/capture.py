@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from orthoptim.distributed.dtensor import local_tensor
+
 # Ops that copy a device value to the host or whose output size depends on tensor values.
 HOST_SYNC_OPS = frozenset({
     "aten::_local_scalar_dense",  # .item(), bool(t), int(t), float(t)
@@ -36,8 +38,9 @@ HOST_SYNC_OPS = frozenset({
 })
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured now (never on a build or machine without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class HostSyncCounter(TorchDispatchMode):
@@ -87,7 +90,7 @@ class CapturedStep:
 
     def _current_layout(self) -> tuple:
         # A DTensor's own data_ptr() is 0: the address that matters is its local shard's.
-        grads = tuple(None if p.grad is None else (id(p.grad), _local(p.grad).data_ptr(), tuple(p.grad.shape))
+        grads = tuple(None if p.grad is None else (id(p.grad), local_tensor(p.grad).data_ptr(), tuple(p.grad.shape))
                       for p in self._params())
         lrs = tuple(id(g["lr"]) for g in self.optimizer.param_groups)
         return grads, lrs

@@ -1,0 +1,187 @@
+"""Sharded parameters (DTensors): which layouts the step runs exactly, how each parameter is treated
+(``_layout``), and the collectives that belong to the optimizer rather than to one megabatch
+(gradient averaging over ``replicate_mesh``, Dion's right factors of expert shards).
+
+``ShardedParameters`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
+optimizer's meshes (``_process_group``, ``_replicate_group``, ``_inner_group``), ``state``,
+``comm_stats`` and its verdict groups (``GradientChecks._verdict_groups``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from orthoptim.distributed import megabatches
+from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, chunked_local_shape, local_tensor
+from orthoptim.distributed.factor_sharding import FactorSharding, factor_sharding
+from orthoptim.distributed.row_exchange import shard_rows
+from orthoptim.optim.validation import MATRIX_ALGORITHMS
+
+
+class ShardedParameters:
+    """DTensor parameters: checked at construction, laid out per step."""
+
+    def _init_sharding(self) -> None:
+        # Read once per parameter (placements never change): Dion's split of a sharded matrix, and
+        # whether its one sharded mesh dim is distributed_mesh.
+        self._factor_specs: dict[Tensor, FactorSharding] = {}
+        self._over_distributed_mesh: dict[Tensor, bool] = {}
+
+    def _check_blocks(self, params: list[Any], labels: list[str], index: int) -> None:
+        """Every sharded DTensor must hold torch.chunk's block (FSDP2's and distribute_tensor's split):
+        the exchanges size every rank's block that way, so another block would fail or hang in the
+        first step. Agreed on by every rank before any other check, over the groups the step's
+        verdicts use (``_verdict_groups``): a rank whose own blocks match must raise too, not wait in a
+        collective for the ranks that raised."""
+        sharded = [(p, label) for p, label in zip(params, labels) if isinstance(p, DTensor) and
+                   any(not isinstance(pl, Replicate) for pl in p.placements)]
+        if not sharded:
+            return
+        problems = []
+        for p, label in sharded:
+            expected, held = chunked_local_shape(p), tuple(local_tensor(p).shape)
+            if held != tuple(expected):
+                problems.append(f"parameter {label} (a DTensor with placements {tuple(p.placements)}) holds a "
+                                f"block of shape {held} of its {tuple(p.shape)} on this rank, but "
+                                f"torch.chunk-style sharding gives {tuple(expected)}")
+        flag = torch.tensor([len(problems)], dtype=torch.int32, device=local_tensor(sharded[0][0]).device)
+        for group in self._verdict_groups([p for p, _ in sharded]):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()):
+            found = problems[0] if problems else (f"another rank holds a block of a parameter of param group {index} "
+                                                  "that is not torch.chunk's (its error names it)")
+            raise ValueError(f"{found}; only torch.chunk-style shards (FSDP2's, distribute_tensor's) are supported")
+
+    def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
+        """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
+        where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
+        if self._layout(p, group) == "factor_sharded":
+            if self._process_group is None and self._inner_group is None:
+                raise ValueError(f"{where}: pass outer_shard_mesh=<its FSDP mesh> and/or "
+                                 "inner_shard_mesh=<its tensor-parallel mesh> to Dion")
+            self._factor_spec(p, label)
+            return
+        if self._process_group is None and (self._inner_group is None or group["algorithm"] in MATRIX_ALGORITHMS):
+            raise ValueError(f"{where}: pass distributed_mesh=<the 1-D shard mesh or its ProcessGroup>")
+        sharded = [i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+        if group["algorithm"] not in MATRIX_ALGORITHMS or len(sharded) != 1:
+            return  # elementwise rules, replicated matrices and gathered (e.g. FSDP x TP) matrices
+        layout = self._layout(p, group)
+        if type(p.placements[sharded[0]]) is not Shard or p.placements[sharded[0]].dim != 0:
+            return
+        if p.device_mesh.size(sharded[0]) != dist.get_world_size(self._process_group):
+            raise ValueError(
+                f"{where}: its shard mesh dimension has {p.device_mesh.size(sharded[0])} ranks but "
+                f"distributed_mesh has {dist.get_world_size(self._process_group)}; pass the mesh (for HSDP "
+                "the shard sub-mesh, e.g. mesh['shard']) the parameter is sharded over")
+        if layout == "row_sharded" and not self._sharded_over_distributed_mesh(p):
+            # Same size, other ranks (e.g. HSDP's replicate sub-mesh): rows would be assembled from
+            # replicas instead of shards.
+            shard_ranks = dist.get_process_group_ranks(p.device_mesh.get_group(sharded[0]))
+            raise ValueError(
+                f"{where}: it is sharded over ranks {shard_ranks} but distributed_mesh holds ranks "
+                f"{dist.get_process_group_ranks(self._process_group)}; pass the mesh the parameter is sharded "
+                "over (for HSDP the shard sub-mesh, e.g. mesh['shard'])")
+
+    def _dion_meshes(self) -> dict[str, dist.ProcessGroup | None]:
+        return {"outer_shard_mesh": self._process_group, "inner_shard_mesh": self._inner_group}
+
+    def _factor_spec(self, p: Tensor, label: str | None = None) -> FactorSharding:
+        if p not in self._factor_specs:
+            self._factor_specs[p] = factor_sharding(p, label or self.param_name(p), self._dion_meshes())
+        return self._factor_specs[p]
+
+    def _layout(self, p: Tensor, group: dict[str, Any]) -> str:
+        """How the step treats a parameter:
+
+        - "replicated": whole on every rank (or a single process); DDP shares the batch of work;
+        - "row_sharded": FSDP2 ``Shard(0)`` of a matrix over ``distributed_mesh`` (possibly replicated
+          over other mesh dims, HSDP): rows are assembled at an owner rank and sent back;
+        - "local": ``Shard(0)`` of a batch of matrices: each rank owns whole matrices, no communication;
+        - "factor_sharded": Dion's matrices sharded along rows and/or columns (FSDP, TP, both):
+          the blocks stay where they are and only low-rank factors are all-reduced;
+        - "column_sharded": Dion3 matrices (and Dion2 ones that select rows) with ``Shard(1)`` over
+          ``distributed_mesh`` (tensor parallelism): rows are selected from all-reduced norms and only
+          the selected rows' column blocks travel, to an owner rank per matrix and back
+          (distributed/column_exchange.py);
+        - "gathered": any other sharding (``Shard(1)``, FSDP x TP, heads/splits on row shards): the
+          momentum and gradient are all-gathered, the rule runs on whole matrices with the work
+          shared over ``distributed_mesh``, and each rank keeps its block of the result.
+        """
+        if not isinstance(p, DTensor):
+            return "replicated"
+        sharded = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+        if not sharded:
+            return "replicated"
+        if group["algorithm"] == "dion" and (p.ndim == 2 or group["flatten"]) and \
+                group["num_heads"] is None and group["split_sizes"] is None:
+            return "factor_sharded"
+        plain = group["num_heads"] is None and group["split_sizes"] is None
+        if len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 0:
+            if p.ndim == 3 and not group["flatten"]:
+                return "local"
+            if plain:
+                return "row_sharded"
+        # Dion3 selects rows; Dion2 too where rows are the shorter side (a tall one picks columns).
+        selects_rows = group["algorithm"] == "dion3" or (group["algorithm"] == "dion2" and p.shape[0] <= p.shape[1])
+        if len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 1 and p.ndim == 2 and plain \
+                and selects_rows and self._sharded_over_distributed_mesh(p):
+            return "column_sharded"
+        return "gathered"
+
+    def _sharded_over_distributed_mesh(self, p: Tensor) -> bool:
+        if p not in self._over_distributed_mesh:
+            dim = next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
+            self._over_distributed_mesh[p] = self._process_group is not None and \
+                dist.get_process_group_ranks(p.device_mesh.get_group(dim)) == \
+                dist.get_process_group_ranks(self._process_group)
+        return self._over_distributed_mesh[p]
+
+    @staticmethod
+    def _expert_mesh_dim(p: Tensor) -> int:
+        return next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
+
+    def _local_batch_range(self, p: Tensor) -> tuple[int, int, int]:
+        """For a ``Shard(0)`` batch of matrices (torch.chunk-style): the mesh dimension it is sharded
+        over, the index of this rank's first matrix and how many it holds."""
+        dim = self._expert_mesh_dim(p)
+        sizes = shard_rows(p.shape[0], p.device_mesh.size(dim))
+        rank = p.device_mesh.get_local_rank(dim)
+        return dim, sum(sizes[:rank]), sizes[rank]
+
+    def _share_local_right_factors(self, p: Tensor) -> None:
+        """Dion on a ``Shard(0)`` batch of matrices: each rank updated the right factors of its own
+        matrices; all-gather them, so that Q is the same whole tensor on every rank (as the state of
+        every other layout is) and a checkpoint saved from any rank holds every matrix's."""
+        q = self.state[p]["Q"]
+        per_batch = q.view(p.shape[0], -1, *q.shape[1:])  # [batch, blocks of one matrix, cols, r]
+        dim, first, count = self._local_batch_range(p)
+        own = per_batch[first: first + count]
+        placements = [Shard(0) if i == dim else Replicate() for i in range(p.device_mesh.ndim)]
+        whole = DTensor.from_local(own.contiguous(), p.device_mesh, placements, shape=per_batch.shape,
+                                   stride=per_batch.stride())
+        per_batch.copy_(whole.full_tensor())
+        if self.comm_stats is not None:
+            self.comm_stats.record("all_gather", q.numel() * q.element_size())
+
+    def _average_gradients(self, work: list[tuple[dict, list[Tensor]]]) -> None:
+        """Average over ``replicate_mesh`` every gradient that Dion's low-rank sync does not cover,
+        one all-reduce per dtype (the Dion matrices exchange only P and R, in their rule)."""
+        grads = [local_tensor(p.grad) for group, ps in work if group["algorithm"] != "dion" for p in ps]
+        world = dist.get_world_size(self._replicate_group)
+        for batch in megabatches(grads, key=lambda g: (g.dtype, g.device)):
+            flat = torch.cat([g.reshape(-1) for g in batch])
+            # fp16 is divided first: the sum of finite fp16 gradients can overflow (65504), their mean not.
+            narrow = flat.dtype == torch.float16
+            if narrow:
+                flat /= world
+            dist.all_reduce(flat, group=self._replicate_group)
+            if self.comm_stats is not None:
+                self.comm_stats.record("all_reduce", flat.numel() * flat.element_size())
+            if not narrow:
+                flat /= world
+            torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])

@@ -1,0 +1,180 @@
+"""Optimizer state: created eagerly for every parameter (the same keys and shapes on every rank, so
+distributed checkpoints load), and checked when a state dict is loaded.
+
+``StateKeeping`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
+optimizer's ``state``, ``param_groups``, ``capturable``, ``_positions`` and its matrix views and
+layouts (``_view``, ``_layout``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
+from orthoptim.optim.matrix_view import MatrixView
+from orthoptim.optim.validation import validate_group
+from orthoptim.orthogonalize import normalize_columns
+
+# Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
+DION_Q_SEED = 20250405
+
+
+def row_state_dtype(p: Tensor) -> torch.dtype:
+    """The per-row variance is an EMA of small numbers: at least fp32, whatever the parameter's dtype."""
+    return torch.promote_types(p.dtype, torch.float32)
+
+
+class StateKeeping:
+    """State creation (``_init_state``), its expected shapes, and a checked ``load_state_dict``."""
+
+    @staticmethod
+    def _lr_to_tensor(group: dict[str, Any], index: int) -> None:
+        """A 0-dim fp32 tensor on the parameters' device: a captured graph reads it at replay, and
+        LR schedulers fill it in place (assigning a new float would be ignored by the graph)."""
+        devices = {p.device for p in group["params"]}
+        if len(devices) > 1:
+            raise ValueError(f"param group {index} holds parameters on {sorted(map(str, devices))}; with "
+                             "capturable=True each group's parameters must be on one device")
+        device = devices.pop() if devices else torch.device("cpu")
+        lr = group["lr"]
+        # A copy per group: groups that inherit one default must not share the tensor a scheduler fills.
+        if isinstance(lr, Tensor):
+            group["lr"] = lr.detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
+        else:
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+
+    @staticmethod
+    def _dion_ranks(view: MatrixView, rank_fraction: float) -> list[int]:
+        return [max(1, math.ceil(rank_fraction * min(r, c) - 1e-9)) for r, c in view.block_shapes()]
+
+    @classmethod
+    def _dion_q_shape(cls, view: MatrixView, rank_fraction: float) -> tuple[int, int, int]:
+        """Dion's right factors, one [cols, r] per matrix, padded to the largest rank (1 for no matrices)."""
+        return view.num_matrices, view.cols, max(cls._dion_ranks(view, rank_fraction), default=1)
+
+    def _init_state(self, p: Tensor, group: dict[str, Any]) -> None:
+        """Create every state tensor the group's algorithm reads (idempotent, deterministic).
+
+        Called for each parameter every step, so it allocates only what is missing.
+        """
+        state = self.state[p]
+        algorithm = group["algorithm"]
+        needed: dict[str, Callable[[], Tensor]] = {}
+        if algorithm == "adamw":
+            # Capturable: the step count lives on the device, so the bias correction is read there.
+            step_device = local_tensor(p).device if self.capturable else "cpu"
+            needed = {"step": lambda: torch.tensor(0.0, device=step_device), "exp_avg": lambda: torch.zeros_like(p),
+                      "exp_avg_sq": lambda: torch.zeros_like(p)}
+        elif algorithm == "lion":
+            needed = {"exp_avg": lambda: torch.zeros_like(p)}
+        else:
+            needed = {"momentum": lambda: torch.zeros_like(p, memory_format=torch.contiguous_format)}
+            if algorithm in ("normuon", "dion3"):
+                # One second moment per row (neuron), in at least fp32: it is tiny and an EMA needs the bits.
+                needed["variance"] = lambda: self._row_state(p, group)
+        for key, make in needed.items():
+            if key not in state:
+                state[key] = make()
+        if algorithm == "dion":
+            view = self._view(p, group)
+            shape = self._dion_q_shape(view, group["rank_fraction"])
+            if "Q" in state and tuple(state["Q"].shape) != shape:
+                raise ValueError(
+                    f"parameter {self.param_name(p)}: Dion right factor Q has shape {tuple(state['Q'].shape)} "
+                    f"but rank_fraction={group['rank_fraction']} needs {shape}; keep rank_fraction fixed "
+                    "during training or start from a fresh optimizer"
+                )
+            if "Q" not in state:
+                gen = torch.Generator().manual_seed(DION_Q_SEED + self._positions[p])
+                q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32), group["epsilon"])
+                state["Q"] = q.to(device=p.device, dtype=p.dtype)
+
+    def _row_state(self, p: Tensor, group: dict[str, Any]) -> Tensor:
+        """Zeros [batch, rows] in fp32 (fp64 for fp64 parameters); for a DTensor parameter a DTensor,
+        sharded like its rows where the step works on row shards, else replicated (it is small)."""
+        dtype = row_state_dtype(p)
+        view = self._view(p, group)
+        if not isinstance(p, DTensor):
+            return torch.zeros(view.batch, view.rows, device=p.device, dtype=dtype)
+        if self._layout(p, group) not in ("row_sharded", "local"):
+            return DTensor.from_local(torch.zeros(view.batch, view.rows, device=local_tensor(p).device, dtype=dtype),
+                                      p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+        local = local_tensor(p)
+        # Shard(0) splits the rows of a matrix (dim 1 of [1, rows]) or the batch of a 3-D tensor (dim 0).
+        batched = p.ndim == 3 and (view.batch, view.rows) == tuple(p.shape[:2])
+        shape_local = (local.shape[0], view.rows) if batched else (1, local.shape[0])
+        placements = tuple(pl if isinstance(pl, Replicate) else Shard(0 if batched else 1) for pl in p.placements)
+        return DTensor.from_local(torch.zeros(shape_local, device=local.device, dtype=dtype),
+                                  p.device_mesh, placements, shape=torch.Size((view.batch, view.rows)),
+                                  stride=(view.rows, 1))
+
+    def _expected_state_shapes(self, p: Tensor, group: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The shape of every state tensor ``_init_state`` would create for ``p`` under ``group``."""
+        algorithm, shape = group["algorithm"], tuple(p.shape)
+        if algorithm == "adamw":
+            return {"step": (), "exp_avg": shape, "exp_avg_sq": shape}
+        if algorithm == "lion":
+            return {"exp_avg": shape}
+        view = self._view(p, group)
+        expected = {"momentum": shape}
+        if algorithm in ("normuon", "dion3"):
+            expected["variance"] = (view.batch, view.rows)
+        if algorithm == "dion":
+            expected["Q"] = self._dion_q_shape(view, group["rank_fraction"])
+        return expected
+
+    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a state dict that would make a later step fail or silently use state of another shape:
+        checked before anything is loaded, so a refused one leaves this optimizer as it was."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups) or any(
+                len(g.get("params", ())) != len(mine["params"]) for g, mine in zip(saved_groups, self.param_groups)):
+            return  # torch.optim's own checks name these mismatches
+        saved_state = state_dict.get("state", {})
+        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
+            where = f"param group {index} of the loaded state dict"
+            if "algorithm" not in saved:
+                raise ValueError(f"{where} has no 'algorithm' key, so it was not saved by an orthoptim optimizer; "
+                                 f"load a state dict saved by {type(self).__name__}.state_dict()")
+            merged = {**mine, **{k: v for k, v in saved.items() if k != "params"}}
+            validate_group(merged, where)
+            for i, p in zip(saved["params"], mine["params"]):
+                label = self.param_name(p)
+                self._check_param(p, merged, label)
+                state = saved_state.get(i, {})
+                for key, shape in self._expected_state_shapes(p, merged).items():
+                    value = state.get(key)
+                    if isinstance(value, Tensor) and tuple(value.shape) != shape and not (key == "step" and
+                                                                                          value.numel() == 1):
+                        raise ValueError(
+                            f"parameter {label}: the loaded state {key!r} has shape {tuple(value.shape)} but "
+                            f"{merged['algorithm']} needs {shape} for this parameter of shape {tuple(p.shape)}; "
+                            "the state dict was saved for other parameters (or other group options) than "
+                            "this optimizer's, in this order")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_loadable(state_dict)
+        # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
+        # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = state_dict["state"]
+        before = [dict(g) for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, old in zip(self.param_groups, before):
+            for key, value in old.items():  # keys a state dict of an older version lacks keep their values
+                group.setdefault(key, value)
+        for i, p in zip(ids, params):
+            variance = saved.get(i, {}).get("variance")
+            if variance is not None:
+                self.state[p]["variance"] = variance.to(device=p.device, dtype=row_state_dtype(p), copy=True)
+            if self.capturable and "step" in self.state[p]:  # read on the device by a capturable step
+                self.state[p]["step"] = self.state[p]["step"].to(device=local_tensor(p).device, dtype=torch.float32)
+        if self.capturable:
+            for index, group in enumerate(self.param_groups):
+                self._lr_to_tensor(group, index)
