@@ -260,146 +260,157 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         return split_batch(fn, self._process_group, self.comm_stats)
 
     def _matrix_step(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        algorithm = group["algorithm"]
-        matrices: list[_Matrix] = []
+        """One step of a matrix group: every parameter cut into matrices, same-shape matrices batched,
+        the group's rule on each batch, then what the layouts need afterwards (gathered blocks written
+        back, Dion's right factors of expert shards shared)."""
         layouts = [self._layout(p, group) for p in params]
         to_gather = [p for p, layout in zip(params, layouts) if layout == "gathered"]
         gathered = Gathered.gather_all(to_gather, [self.state[p] for p in to_gather], self.comm_stats)
         whole_of = dict(zip(to_gather, gathered))
-        for p, layout in zip(params, layouts):
-            state = self.state[p]
-            if layout == "gathered":
-                whole = whole_of[p]
-                x, m, grad = whole.delta, whole.momentum, whole.grad
-            else:
-                x, m = local_tensor(p), local_tensor(state["momentum"])
-                grad = local_tensor(p.grad)
-                grad = grad if grad.is_contiguous() else grad.contiguous()
-            if layout == "factor_sharded":
-                spec = self._factor_spec(p)
-                rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
-                shape = (spec.local_rows, spec.local_cols)
-                matrices.append(_Matrix(x.view(shape), grad.view(shape), m.view(shape), state["Q"][0, :, :rank], rank,
-                                        layout, (p.shape[0], math.prod(p.shape[1:])), spec, self.param_name(p)))
-                continue
-            if layout == "row_sharded":
-                # One local row block of the full matrix; blocks (heads, splits) are rejected up front.
-                full_rows, cols = p.shape[0], math.prod(p.shape[1:])
-                expected = shard_rows(full_rows, dist.get_world_size(self._process_group))
-                if x.shape[0] != expected[dist.get_rank(self._process_group)]:
-                    raise ValueError(
-                        f"parameter {self.param_name(p)}: local shard has {x.shape[0]} rows but Shard(0) of "
-                        f"{full_rows} rows gives {expected}; only torch.chunk-style (FSDP2) sharding is supported"
-                    )
-                extra, rank = None, 0
-                if algorithm in ("normuon", "dion3"):
-                    extra = local_tensor(state["variance"]).view(-1)
-                matrices.append(_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), extra, rank,
-                                        layout, (full_rows, cols), name=self.param_name(p)))
-                continue
-            if layout == "column_sharded":  # one 2-D block of columns (a rank may hold none)
-                extra = local_tensor(state["variance"]).view(-1) if algorithm == "dion3" else None
-                matrices.append(_Matrix(x, grad, m, extra, 0, layout, (p.shape[0], p.shape[1]),
-                                        name=self.param_name(p)))
-                continue
-            # "local" shards hold whole matrices of a 3-D batch: the layout of their local shape.
-            view = self._view(p, group, shape=tuple(x.shape) if layout == "local" else None)
-            extra: list[Any]
-            ranks = [0] * view.num_matrices
-            if algorithm in ("normuon", "dion3"):
-                variance = whole_of[p].variance if layout == "gathered" else local_tensor(state["variance"])
-                extra = view.row_vectors(variance)
-            elif algorithm == "dion":
-                ranks = self._dion_ranks(view, group["rank_fraction"])
-                # Q holds every matrix of the whole batch; a "local" shard's matrices start further in.
-                first = self._local_batch_range(p)[1] * len(view.blocks) if layout == "local" else 0
-                extra = [state["Q"][first + i, :, :r] for i, r in enumerate(ranks)]
-            else:
-                extra = [None] * view.num_matrices
-            for xv, gv, mv, e, r in zip(view.matrices(x), view.matrices(grad), view.matrices(m), extra, ranks):
-                matrices.append(_Matrix(xv, gv, mv, e, r, layout, tuple(xv.shape), name=self.param_name(p)))
-
-        lr, wd = group["lr"], group["weight_decay"]
+        matrices = [m for p, layout in zip(params, layouts)
+                    for m in self._matrices_of(p, group, layout, whole_of.get(p))]
         # Keyed by the full shape, so every rank forms the same batches in the same order.
         batches = megabatches(matrices, key=lambda m: (m.full_shape, m.param.dtype, m.param.device, m.rank,
                                                         m.layout, m.sharding.key if m.sharding else None))
-        fraction = group.get("fraction", 1.0)
+        algorithm, fraction = group["algorithm"], group.get("fraction", 1.0)
         for batch in (part for whole in batches for part in self._memory_chunks(whole, algorithm, fraction)):
-            xs = [m.param for m in batch]
-            gs = [m.grad for m in batch]
-            ms = [m.momentum for m in batch]
-            es = [m.extra for m in batch]
-            layout, (rows, cols) = batch[0].layout, batch[0].full_shape
-            common = {"lr": lr, "weight_decay_rate": wd, "scale": rules.lr_scale(rows, cols, group["adjust_lr"])}
-            orthogonalize = self._orthogonalizer(group) if algorithm != "dion" else None
-            checked = users_own(group["orthogonalizer"])  # a user's callable: its outputs are checked
-            names = list(dict.fromkeys(m.name for m in batch)) if checked else []
-            if orthogonalize is not None and checked:
-                orthogonalize = self._checked(orthogonalize, names)
-            finish = None
-            select = None
-            # Nothing communicated: the iteration's last product can write into the parameters.
-            factors = None
-            if layout == "replicated" and self._process_group is None and algorithm == "muon":
-                factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
-                if factors is not None and checked:
-                    factors = self._checked_factors(factors, names)
-            stack_dtype = self._stack_dtype(group, layout, ms[0])
-            if layout == "row_sharded":
-                plan = RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
-                if algorithm in ("dion2", "dion3"):
-                    select = plan.select_rows(group["fraction"], group["selection_scope"])
-                if algorithm in ("normuon", "dion3"):
-                    finish = plan.around(partial(orthogonalize_and_normalize, orthogonalize=orthogonalize,
-                                                 beta2=group["muon_beta2"], eps=group["epsilon"]))
-                else:
-                    orthogonalize = _first(plan.around(orthogonalize))
-            elif layout == "column_sharded":
-                columns = ColumnShardedPlan(self._process_group, rows, cols, len(batch), self.comm_stats)
-                select = columns.select_rows(num_selected(rows, group["fraction"]))
-                if algorithm == "dion3":
-                    finish = columns.finish(orthogonalize, group["muon_beta2"], group["epsilon"])
-                else:
-                    orthogonalize = columns.orthogonalize(orthogonalize)
-            elif layout in ("replicated", "gathered"):
-                orthogonalize = self._share(orthogonalize)
-            if algorithm == "muon":
-                rules.muon_update(xs, gs, ms, mu=group["mu"], nesterov=group["nesterov"],
-                                  orthogonalize=orthogonalize, factors=factors, stack_dtype=stack_dtype, **common)
-            elif algorithm == "normuon":
-                rules.normuon_update(xs, gs, ms, es, mu=group["mu"], nesterov=group["nesterov"],
-                                     beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
-                                     finish=finish, **common)
-            elif algorithm == "dion2":
-                rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
-                                   dim=0 if layout in ("row_sharded", "column_sharded") else None, select=select,
-                                   **common)
-            elif algorithm == "dion3":
-                rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
-                                   beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
-                                   finish=finish, select=select, **common)
-            else:
-                spec, columns = batch[0].sharding, slice(None)
-                if spec is not None or self._replicate_group is not None:
-                    factors = partial(sharded_low_rank_factors, full_rows=rows, full_cols=cols, stats=self.comm_stats,
-                                      rows_group=spec.rows_group if spec else None,
-                                      cols_group=spec.cols_group if spec else None,
-                                      col_offset=spec.col_offset if spec else 0, replicate=self._replicate_group,
-                                      sync_free=self.capturable)
-                    if spec is not None:
-                        columns = slice(spec.col_offset, spec.col_offset + spec.local_cols)
-                else:
-                    factors = partial(rules.low_rank_factors, qr_method=group["qr_method"], sync_free=self.capturable)
-                    if layout in ("replicated", "gathered"):
-                        factors = self._share(factors)
-                rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors,
-                                  columns=columns, **common)
+            self._batch_step(group, batch)
         for whole in gathered:
-            whole.write_back(lr, wd)
+            whole.write_back(group["lr"], group["weight_decay"])
         if algorithm == "dion":
             for p, layout in zip(params, layouts):
                 if layout == "local":
                     self._share_local_right_factors(p)
+
+    def _matrices_of(self, p: Tensor, group: dict[str, Any], layout: str, whole: Gathered | None) -> list[_Matrix]:
+        """The matrices of ``p`` under its ``layout``: in-place-writable views of the parameter, its
+        gradient and state (of ``whole``'s copies for the "gathered" layout)."""
+        algorithm, state, name = group["algorithm"], self.state[p], self.param_name(p)
+        if whole is not None:
+            x, m, grad = whole.delta, whole.momentum, whole.grad
+        else:
+            x, m = local_tensor(p), local_tensor(state["momentum"])
+            grad = local_tensor(p.grad)
+            grad = grad if grad.is_contiguous() else grad.contiguous()
+        if layout == "factor_sharded":
+            spec = self._factor_spec(p)
+            rank = self._dion_ranks(self._view(p, group), group["rank_fraction"])[0]
+            shape = (spec.local_rows, spec.local_cols)
+            return [_Matrix(x.view(shape), grad.view(shape), m.view(shape), state["Q"][0, :, :rank], rank,
+                            layout, (p.shape[0], math.prod(p.shape[1:])), spec, name)]
+        if layout == "row_sharded":
+            # One local row block of the full matrix; blocks (heads, splits) are rejected up front.
+            full_rows, cols = p.shape[0], math.prod(p.shape[1:])
+            expected = shard_rows(full_rows, dist.get_world_size(self._process_group))
+            if x.shape[0] != expected[dist.get_rank(self._process_group)]:
+                raise ValueError(
+                    f"parameter {name}: local shard has {x.shape[0]} rows but Shard(0) of "
+                    f"{full_rows} rows gives {expected}; only torch.chunk-style (FSDP2) sharding is supported"
+                )
+            variance = local_tensor(state["variance"]).view(-1) if algorithm in ("normuon", "dion3") else None
+            return [_Matrix(x.view(-1, cols), grad.view(-1, cols), m.view(-1, cols), variance, 0, layout,
+                            (full_rows, cols), name=name)]
+        if layout == "column_sharded":  # one 2-D block of columns (a rank may hold none)
+            variance = local_tensor(state["variance"]).view(-1) if algorithm == "dion3" else None
+            return [_Matrix(x, grad, m, variance, 0, layout, (p.shape[0], p.shape[1]), name=name)]
+        # "local" shards hold whole matrices of a 3-D batch: the layout of their local shape.
+        view = self._view(p, group, shape=tuple(x.shape) if layout == "local" else None)
+        extra: list[Any]
+        ranks = [0] * view.num_matrices
+        if algorithm in ("normuon", "dion3"):
+            extra = view.row_vectors(whole.variance if whole is not None else local_tensor(state["variance"]))
+        elif algorithm == "dion":
+            ranks = self._dion_ranks(view, group["rank_fraction"])
+            # Q holds every matrix of the whole batch; a "local" shard's matrices start further in.
+            first = self._local_batch_range(p)[1] * len(view.blocks) if layout == "local" else 0
+            extra = [state["Q"][first + i, :, :r] for i, r in enumerate(ranks)]
+        else:
+            extra = [None] * view.num_matrices
+        return [_Matrix(xv, gv, mv, e, r, layout, tuple(xv.shape), name=name)
+                for xv, gv, mv, e, r in zip(view.matrices(x), view.matrices(grad), view.matrices(m), extra, ranks)]
+
+    def _batch_step(self, group: dict[str, Any], batch: list[_Matrix]) -> None:
+        """The group's rule on one megabatch, given the hooks its layout needs."""
+        algorithm = group["algorithm"]
+        xs, gs, ms, es = ([getattr(m, key) for m in batch] for key in ("param", "grad", "momentum", "extra"))
+        layout, (rows, cols) = batch[0].layout, batch[0].full_shape
+        common = {"lr": group["lr"], "weight_decay_rate": group["weight_decay"],
+                  "scale": rules.lr_scale(rows, cols, group["adjust_lr"])}
+        if algorithm == "dion":
+            factors, columns = self._dion_factors(group, batch)
+            rules.dion_update(xs, gs, ms, es, mu=group["mu"], eps=group["epsilon"], factors=factors,
+                              columns=columns, **common)
+            return
+        orthogonalize, finish, select, factors = self._orthogonalize_hooks(group, batch)
+        if algorithm == "muon":
+            rules.muon_update(xs, gs, ms, mu=group["mu"], nesterov=group["nesterov"], orthogonalize=orthogonalize,
+                              factors=factors, stack_dtype=self._stack_dtype(group, layout, ms[0]), **common)
+        elif algorithm == "normuon":
+            rules.normuon_update(xs, gs, ms, es, mu=group["mu"], nesterov=group["nesterov"],
+                                 beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
+                                 finish=finish, **common)
+        elif algorithm == "dion2":
+            rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
+                               dim=0 if layout in ("row_sharded", "column_sharded") else None, select=select,
+                               **common)
+        else:
+            rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
+                               beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
+                               finish=finish, select=select, **common)
+
+    def _orthogonalize_hooks(self, group: dict[str, Any], batch: list[_Matrix]) -> tuple[Any, Any, Any, Any]:
+        """What the orthogonalizing rules call for one megabatch, as (orthogonalize, finish, select,
+        factors): the group's orthogonalizer (checked if it is the user's), wrapped in the layout's
+        communication; ``finish`` (orthogonalize + normalize where the whole rows are) and ``select``
+        (the row selection of sharded matrices) where the layout needs them; and, single process,
+        Muon's factored orthogonalizer, whose last product writes into the parameters."""
+        algorithm = group["algorithm"]
+        layout, (rows, cols) = batch[0].layout, batch[0].full_shape
+        orthogonalize = self._orthogonalizer(group)
+        checked = users_own(group["orthogonalizer"])  # a user's callable: its outputs are checked
+        names = list(dict.fromkeys(m.name for m in batch)) if checked else []
+        if checked:
+            orthogonalize = self._checked(orthogonalize, names)
+        finish = select = factors = None
+        if layout == "replicated" and self._process_group is None and algorithm == "muon":
+            factors = get_factored_orthogonalizer(group["orthogonalizer"] or DEFAULT_ORTHOGONALIZER[algorithm])
+            if factors is not None and checked:
+                factors = self._checked_factors(factors, names)
+        if layout == "row_sharded":
+            plan = RowShardedPlan(self._process_group, rows, len(batch), self.comm_stats)
+            if algorithm in ("dion2", "dion3"):
+                select = plan.select_rows(group["fraction"], group["selection_scope"])
+            if algorithm in ("normuon", "dion3"):
+                finish = plan.around(partial(orthogonalize_and_normalize, orthogonalize=orthogonalize,
+                                             beta2=group["muon_beta2"], eps=group["epsilon"]))
+            else:
+                orthogonalize = _first(plan.around(orthogonalize))
+        elif layout == "column_sharded":
+            columns = ColumnShardedPlan(self._process_group, rows, cols, len(batch), self.comm_stats)
+            select = columns.select_rows(num_selected(rows, group["fraction"]))
+            if algorithm == "dion3":
+                finish = columns.finish(orthogonalize, group["muon_beta2"], group["epsilon"])
+            else:
+                orthogonalize = columns.orthogonalize(orthogonalize)
+        elif layout in ("replicated", "gathered"):
+            orthogonalize = self._share(orthogonalize)
+        return orthogonalize, finish, select, factors
+
+    def _dion_factors(self, group: dict[str, Any], batch: list[_Matrix]) -> tuple[Callable[..., Tensor], slice]:
+        """Dion's low-rank factors for one megabatch, and the columns of Q this rank updates: all-reduced
+        over the shard and replicate groups where the matrices are factor-sharded or their gradients
+        unsynchronized, else computed here (a share of the batch per rank under DDP)."""
+        layout, (rows, cols), spec = batch[0].layout, batch[0].full_shape, batch[0].sharding
+        if spec is None and self._replicate_group is None:
+            factors = partial(rules.low_rank_factors, qr_method=group["qr_method"], sync_free=self.capturable)
+            return (self._share(factors) if layout in ("replicated", "gathered") else factors), slice(None)
+        factors = partial(sharded_low_rank_factors, full_rows=rows, full_cols=cols, stats=self.comm_stats,
+                          rows_group=spec.rows_group if spec else None,
+                          cols_group=spec.cols_group if spec else None,
+                          col_offset=spec.col_offset if spec else 0, replicate=self._replicate_group,
+                          sync_free=self.capturable)
+        columns = slice(spec.col_offset, spec.col_offset + spec.local_cols) if spec is not None else slice(None)
+        return factors, columns
 
     def _memory_chunks(self, batch: list[_Matrix], algorithm: str, fraction: float = 1.0) -> list[list[_Matrix]]:
         """A big megabatch in up to ``MEMORY_CHUNKS`` parts when nothing is communicated: an
