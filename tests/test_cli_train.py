@@ -193,3 +193,19 @@ def test_train_on_bin_shards(tmp_path, capsys):
     assert run["final_val_bpb"] is None  # bytes per token unknown for pre-tokenized data
     assert "1 train / 1 val shard(s), vocabulary 1024" in json.loads((out / "config.json").read_text())["data"]
     assert capsys.readouterr().out.splitlines()[2].split()[3] == "-"  # the bits/byte cell
+
+
+def test_hsdp_on_cpu_is_refused_before_torch_2_8(monkeypatch):
+    """torch 2.7's FSDP2 cannot average HSDP replicas over gloo: refused by name before any process
+    group is joined (the same call on torch >= 2.8 would go on to init_process_group)."""
+    from torch.torch_version import TorchVersion
+
+    from orthoptim.cli import UsageError
+    from orthoptim.cli import train as train_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(train_cli.torch, "__version__", TorchVersion("2.7.1+cpu"))
+    monkeypatch.setattr(train_cli.dist, "init_process_group", lambda *a, **k: pytest.fail("joined a process group"))
+    cfg = train_cli.TrainConfig(batch_size=4)
+    with pytest.raises(UsageError, match=r"--hsdp 2,2 on CPU needs torch >= 2.8 \(this is 2.7.1\+cpu\)"):
+        train_cli.start_distributed(cfg, "hsdp", (2, 2))

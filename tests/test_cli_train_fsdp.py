@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from orthoptim.cli import main
-from tests.distributed_harness import launch_report, run_distributed, torchrun
+from tests.distributed_harness import launch_report, needs_cpu_hsdp, run_distributed, torchrun
 from tests.test_cli_train import TINY
 
 REL = 1e-4
@@ -48,6 +48,7 @@ def _assert_same_curves(one: dict, other: dict, names: list[str]) -> None:
 
 
 @pytest.mark.slow
+@needs_cpu_hsdp
 def test_fsdp_then_resume_under_hsdp_matches_one_process(reference):
     root, one = reference
     out = root / "fsdp"
@@ -81,6 +82,7 @@ def test_fsdp_then_resume_under_hsdp_matches_one_process(reference):
 
 
 @pytest.mark.slow
+@needs_cpu_hsdp
 def test_hsdp_2x2_on_four_processes_matches_one_process(reference):
     root, one = reference
     out = root / "hsdp22"

@@ -31,11 +31,14 @@ def _build(name: str, world: int | None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from orthoptim.train.loop import fully_shard_options
+
     mesh = init_device_mesh("cpu", (world,))
+    options = fully_shard_options()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model, OPTIMIZERS[name](orthoptim.param_groups(model), distributed_mesh=mesh)
 
 

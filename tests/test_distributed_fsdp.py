@@ -13,7 +13,7 @@ from torch import nn
 
 import orthoptim
 from orthoptim.distributed import CommStats
-from tests.distributed_harness import run_distributed
+from tests.distributed_harness import needs_cpu_hsdp, run_distributed
 
 REL_TOL = 1e-5  # fp32 Newton-Schulz: same math, different batch composition on the owner rank
 STEPS = 3
@@ -267,12 +267,18 @@ def test_rows_sharded_over_another_sub_mesh_of_the_same_size_are_refused():
         assert "mesh['shard']" in message, message
 
 
-def _fully_shard_training(rank: int, world: int) -> dict:
-    """A real FSDP2 model: each rank trains on its slice; equals one process on the whole batch."""
+def _fully_shard_training(rank: int, world: int, reduce: str) -> dict:
+    """A real FSDP2 model: each rank trains on its slice; equals one process on the whole batch, its
+    gradients too (Muon alone would not see gradients off by a constant factor). ``reduce``: "auto"
+    (``fully_shard_options``: plain FSDP2 where gloo averages, as on torch >= 2.9) or "fp64" (the
+    sum-then-divide options used where gloo's AVG sums, on torch 2.7 and 2.8)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from orthoptim.train.loop import fp64_reduce_options, fully_shard_options
+
     mesh = init_device_mesh("cpu", (world,))
+    options = fully_shard_options() if reduce == "auto" else fp64_reduce_options()
     torch.manual_seed(0)
     data, target = torch.randn(8 * world, 16), torch.randn(8 * world, 4)
 
@@ -285,24 +291,51 @@ def _fully_shard_training(rank: int, world: int) -> dict:
     sharded = model()
     for layer in sharded:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **options)
+    fully_shard(sharded, mesh=mesh, **options)
     opt_sharded = orthoptim.Muon(orthoptim.param_groups(sharded), lr=0.02, distributed_mesh=mesh)
     lo, hi = rank * 8, (rank + 1) * 8
+    grad_errors = []
     for _ in range(3):
         nn.functional.mse_loss(single(data), target).backward()
+        nn.functional.mse_loss(sharded(data[lo:hi]), target[lo:hi]).backward()
+        grad_errors += [float((a.grad.full_tensor() - b.grad).norm() / b.grad.norm())
+                        for a, b in zip(sharded.parameters(), single.parameters())]
         opt_single.step()
         opt_single.zero_grad()
-        nn.functional.mse_loss(sharded(data[lo:hi]), target[lo:hi]).backward()
         opt_sharded.step()
         opt_sharded.zero_grad()
     return {"errors": [float((a.full_tensor() - b).norm() / b.norm())
-                       for a, b in zip(sharded.parameters(), single.parameters())]}
+                       for a, b in zip(sharded.parameters(), single.parameters())], "grad_errors": grad_errors}
 
 
-def test_fully_shard_model_matches_single_process():
-    for rec in run_distributed(_fully_shard_training, 2, timeout=120):
+@pytest.mark.parametrize("reduce", ["auto", "fp64"])
+def test_fully_shard_model_matches_single_process(reduce):
+    for rec in run_distributed(partial(_fully_shard_training, reduce=reduce), 2, timeout=120):
         assert max(rec["errors"]) <= 1e-4, rec["errors"]  # reduce-scatter averaging reorders sums
+        assert max(rec["grad_errors"]) <= 1e-5, rec["grad_errors"]
+
+
+def _probe_summing_gloo(rank: int, world: int) -> dict:
+    """``fully_shard_options`` takes the fp64 sum-then-divide options exactly where gloo's AVG sums."""
+    import torch.distributed as dist
+
+    from orthoptim.train import loop
+
+    real = dist.reduce_scatter_tensor
+    plain = loop.fully_shard_options()
+    dist.reduce_scatter_tensor = lambda out, inp, op=None, **kw: real(out, inp, op=dist.ReduceOp.SUM, **kw)
+    try:
+        summing = loop.fully_shard_options()
+    finally:
+        dist.reduce_scatter_tensor = real
+    return {"plain": sorted(plain), "summing": {k: str(v.reduce_dtype) for k, v in summing.items()}}
+
+
+@pytest.mark.skipif(torch.__version__ < "2.9", reason="gloo's reduce-scatter averages from torch 2.9 on")
+def test_fully_shard_options_probe_gloo():
+    for rec in run_distributed(_probe_summing_gloo, 2, timeout=60):
+        assert rec == {"plain": [], "summing": {"mp_policy": "torch.float64"}}
 
 
 def _hsdp_training(rank: int, world: int) -> dict:
@@ -310,7 +343,10 @@ def _hsdp_training(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from orthoptim.train.loop import fully_shard_options
+
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    options = fully_shard_options()
     torch.manual_seed(0)
     data, target = torch.randn(8 * world, 16), torch.randn(8 * world, 4)
 
@@ -327,8 +363,8 @@ def _hsdp_training(rank: int, world: int) -> dict:
         sharded = model()
         for layer in sharded:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
+                fully_shard(layer, mesh=mesh, **options)
+        fully_shard(sharded, mesh=mesh, **options)
         opt = make(orthoptim.param_groups(sharded), distributed_mesh=mesh["shard"])
         lo, hi = rank * 8, (rank + 1) * 8
         shard_rank = mesh["shard"].get_local_rank()
@@ -345,6 +381,7 @@ def _hsdp_training(rank: int, world: int) -> dict:
     return results
 
 
+@needs_cpu_hsdp
 def test_hsdp_matches_single_process():
     for rec in run_distributed(_hsdp_training, 4, timeout=180):
         for name in ("normuon", "dion3"):  # Dion3 with exact global selection picks one process's rows

@@ -95,7 +95,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--d-model", type=int, default=None, metavar="N", help="width (with --layers: instead of --model)")
     p.add_argument("--layers", type=int, default=None, metavar="N", help="number of layers (with --d-model)")
     p.add_argument("--mlp-ratio", type=int, default=4, metavar="R", help="MLP hidden width / d_model")
-    p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS, metavar="A,B,...",
+    # torch.optim.Muon (torch_muon) exists from torch 2.9 on; older torch compares without it.
+    default = ",".join(n for n in DEFAULT_OPTIMIZERS.split(",") if n in names)
+    p.add_argument("--optimizers", default=default, metavar="A,B,...",
                    help=f"comma-separated, from: {', '.join(names)}")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter and state dtype")

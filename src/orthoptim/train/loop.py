@@ -172,9 +172,31 @@ def shard_model(model: GPT, parallel: Parallel) -> None:
     ``fully_shard`` replicates over the first dimension and shards over the second (HSDP)."""
     from torch.distributed.fsdp import fully_shard
 
+    options = fully_shard_options()
     for block in model.blocks:
-        fully_shard(block, mesh=parallel.mesh)
-    fully_shard(model, mesh=parallel.mesh)
+        fully_shard(block, mesh=parallel.mesh, **options)
+    fully_shard(model, mesh=parallel.mesh, **options)
+
+
+def fully_shard_options() -> dict[str, Any]:
+    """Extra ``fully_shard`` arguments for this process group: none, except where gloo's reduce-scatter
+    sums when asked for ReduceOp.AVG (torch 2.7 and 2.8), which leaves FSDP2's fp32/bf16 gradients
+    world-size times too large (silently: orthonormal updates and AdamW ignore the gradient's scale,
+    but the clip threshold, grad norms and saved momenta do not). There ``fp64_reduce_options``.
+    One tiny reduce-scatter finds out: call on every rank."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return {}
+    averaged = torch.empty(1)
+    dist.reduce_scatter_tensor(averaged, torch.ones(dist.get_world_size()), op=dist.ReduceOp.AVG)
+    return {} if averaged.item() == 1.0 else fp64_reduce_options()
+
+
+def fp64_reduce_options() -> dict[str, Any]:
+    """``fully_shard`` with an fp64 reduce dtype: FSDP2 then reduce-scatters with SUM and divides by the
+    world size itself, and the gradients keep their dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return {"mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float64)}
 
 
 # ------------------------------------------------------------------------------------ optimizer
