@@ -5,11 +5,13 @@
 For each dtype (bf16 where the CPU multiplies it natively, and fp32), each thread count and each
 side k, times X Xᵀ on [B, k, 4k] and a I + b R + c R² on [B, k, k] with torch.bmm/baddbmm and with
 the blocked products at several block sizes, then a whole standard Newton-Schulz (Polar Express, 5
-iterations) on [B, k, k] both ways. Prints speedups (plain time / blocked time, medians of
-``--repeats`` after a warm-up) and ``suggested_min_blocked_size``: the smallest k from which the
+iterations) on [B, k, k] both ways, and X Xᵀ of wide X ([B, k, 2k] and [B, k, 4k]) in blocks of
+``select.WIDE_GRAM_BLOCK`` rows. Prints speedups (plain time / blocked time, medians of
+``--repeats`` after a warm-up), ``suggested_min_blocked_size``: the smallest k from which the
 blocked products at ``cpu_symmetric.BLOCK`` won every product, dtype and thread count measured at
-that k and above (the value for ``orthoptim.kernels.select.MIN_BLOCKED_SIZE``). A benchmark, not a
-test: these machines are shared, so compare ratios from one run.
+that k and above (the value for ``orthoptim.kernels.select.MIN_BLOCKED_SIZE``), and
+``suggested_min_wide_gram_size``: the same for the wide X Xᵀ alone (``select.MIN_BLOCKED_WIDE_GRAM_SIZE``).
+A benchmark, not a test: these machines are shared, so compare ratios from one run.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def measure(k: int, dtype: torch.dtype, repeats: int) -> dict:
         p = ms(partial(cpu_symmetric.symmetric_polynomial, r, 1.0, -0.5, 0.25, out=out, block=block))
         row["blocks"][block] = {"gram_speedup": row["gram_bmm_ms"] / g,
                                 "polynomial_speedup": row["polynomial_bmm_ms"] / p}
+    row["wide_gram_speedup"] = {}
+    for aspect in (select.WIDE_GRAM_ASPECT, 4):
+        xa = x[:, :, : aspect * k].contiguous()
+        plain = ms(lambda xa=xa: torch.bmm(xa, xa.mT, out=out))
+        row["wide_gram_speedup"][aspect] = plain / ms(partial(cpu_symmetric.gram, xa, out=out,
+                                                              block=select.WIDE_GRAM_BLOCK))
     square = r[:, :, :k].contiguous()
     plain = ms(lambda: newton_schulz(square, dtype=dtype, symmetric_kernels=False))
     blocked_ns = ms(lambda: _blocked_newton_schulz(square, dtype))
@@ -78,6 +86,14 @@ def suggested_min_size(rows: list[dict]) -> int | None:
     return smallest_winning_size(wins)
 
 
+def suggested_min_wide_gram_size(rows: list[dict]) -> int | None:
+    """Smallest k from which the wide X Xᵀ in ``select.WIDE_GRAM_BLOCK`` rows won at every aspect there and above."""
+    wins: dict[int, bool] = {}
+    for row in rows:
+        wins[row["k"]] = wins.get(row["k"], True) and all(s > 1.0 for s in row["wide_gram_speedup"].values())
+    return smallest_winning_size(wins)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", default="1,2", help="comma list of torch CPU thread counts")
@@ -94,8 +110,8 @@ def main() -> None:
         print(f"\n{threads} thread(s): speedup of the blocked products over bmm (block size: gram / polynomial), "
               "and of a whole standard NS\n")
         print("| dtype | k × n (batch) | " + " | ".join(f"block {b}" for b in BLOCKS) + " | NS, block "
-              f"{cpu_symmetric.BLOCK} |")
-        print("|---|---|" + "---:|" * (len(BLOCKS) + 1))
+              f"{cpu_symmetric.BLOCK} | X Xᵀ at n = {select.WIDE_GRAM_ASPECT}k / 4k, block {select.WIDE_GRAM_BLOCK} |")
+        print("|---|---|" + "---:|" * (len(BLOCKS) + 2))
         for dtype in dtypes:
             for k in [int(s) for s in args.sides.split(",")]:
                 row = measure(k, dtype, args.repeats)
@@ -103,15 +119,19 @@ def main() -> None:
                 rows.append(row)
                 cells = [f"{row['blocks'][b]['gram_speedup']:.2f} / {row['blocks'][b]['polynomial_speedup']:.2f}"
                          if b in row["blocks"] else "" for b in BLOCKS]
+                wide = " / ".join(f"{s:.2f}" for s in row["wide_gram_speedup"].values())
                 print(f"| {row['dtype']} | {k} × {4 * k} ({row['batch']}) | " + " | ".join(cells)
-                      + f" | {row['newton_schulz_speedup']:.2f} |", flush=True)
+                      + f" | {row['newton_schulz_speedup']:.2f} | {wide} |", flush=True)
     suggestion = suggested_min_size(rows)
+    wide_suggestion = suggested_min_wide_gram_size(rows)
     print(f"\nsuggested_min_blocked_size: {suggestion} (block {cpu_symmetric.BLOCK})")
+    print(f"suggested_min_wide_gram_size: {wide_suggestion} (block {select.WIDE_GRAM_BLOCK})")
     if args.json:
         write_json(args.json, {
             "benchmark": "cpu_symmetric", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "block": cpu_symmetric.BLOCK, "suggested_min_blocked_size": suggestion, "rows": rows,
+            "block": cpu_symmetric.BLOCK, "suggested_min_blocked_size": suggestion,
+            "wide_gram_block": select.WIDE_GRAM_BLOCK, "suggested_min_wide_gram_size": wide_suggestion, "rows": rows,
         })
 
 

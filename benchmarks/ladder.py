@@ -61,7 +61,7 @@ from orthoptim.benchmark import (
     time_steps,
 )
 from orthoptim.benchmark_counts import count_step, largest_megabatch_bytes, state_bytes, tensor_bytes
-from orthoptim.kernels import cpu_dtype
+from orthoptim.kernels import cpu_dtype, select
 from orthoptim.orthogonalize import BF16_RESTARTS
 from orthoptim.train.results import format_table, plots_available, save_figure, write_json
 
@@ -121,7 +121,8 @@ def _kernel_note(device: torch.device, sizes: list[int], dtype: torch.dtype) -> 
             backend = "triton (not installed)"
         by_backend.setdefault(backend, []).append(k)
     if device.type != "cuda" and set(by_backend) <= {"torch"}:
-        return f"kernels: torch fallback (no Triton on CPU; blocked products from k = {kernels.MIN_BLOCKED_SIZE})"
+        return (f"kernels: torch fallback (no Triton on CPU; blocked products from k = {kernels.MIN_BLOCKED_SIZE}, "
+                f"X Xᵀ of X with n >= {select.WIDE_GRAM_ASPECT}k from k = {select.MIN_BLOCKED_WIDE_GRAM_SIZE})")
     if len(by_backend) == 1:
         return f"kernels: {next(iter(by_backend))}"
     return "kernels: " + ", ".join(f"{b} for k={'/'.join(map(str, ks))}" for b, ks in sorted(by_backend.items()))

@@ -346,3 +346,15 @@ def test_cpu_symmetric_bench_suggestion_needs_every_row_at_and_above_k():
     rows.append(row(1024, 1.4, 0.99))  # one thread count losing at 1024 leaves no threshold
     assert bench.suggested_min_size(rows) is None
     assert bench.suggested_min_size([{"k": 256, "blocks": {}}]) is None  # block not measured: not a win
+
+
+def test_cpu_symmetric_bench_wide_gram_suggestion_needs_every_aspect():
+    bench = _benchmark("cpu_symmetric_bench.py", "cpu_symmetric_bench")
+
+    def row(k, *speedups):
+        return {"k": k, "wide_gram_speedup": dict(zip((2, 4), speedups))}
+
+    rows = [row(256, 0.9, 1.1), row(384, 1.1, 1.2), row(512, 1.2, 1.3), row(384, 1.05, 1.3)]
+    assert bench.suggested_min_wide_gram_size(rows) == 384
+    rows.append(row(384, 1.2, 0.98))  # one thread count losing at one aspect moves it up
+    assert bench.suggested_min_wide_gram_size(rows) == 512

@@ -101,6 +101,47 @@ def test_auto_picks_blocked_products_from_the_threshold_on(monkeypatch):
     assert kernels.backend(torch.empty(0, dtype=F64), size=2) == "blocked"
 
 
+def test_auto_blocks_the_gram_matrix_of_wide_inputs_below_the_threshold(monkeypatch):
+    """From MIN_BLOCKED_WIDE_GRAM_SIZE on, X Xᵀ of an X at least WIDE_GRAM_ASPECT times as wide is
+    blocked (in WIDE_GRAM_BLOCK rows); narrower ones, smaller ones and the k×k products keep bmm."""
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    k = select.MIN_BLOCKED_WIDE_GRAM_SIZE
+    wide = select.WIDE_GRAM_ASPECT * k
+    assert k < select.MIN_BLOCKED_SIZE
+    for dtype in select.BLOCKED_DTYPES:
+        probe = torch.empty(0, dtype=dtype)
+        assert select.use_blocked(probe, size=k, inner=wide)
+        assert not select.use_blocked(probe, size=k, inner=wide - 1)
+        assert not select.use_blocked(probe, size=k - 1, inner=4 * k)
+        assert not select.use_blocked(probe, size=k)  # a k×k product: no inner side given
+    assert not select.use_blocked(torch.empty(0, dtype=F64), size=k, inner=wide)
+    assert select.blocked_gram_rows(k, wide) == select.WIDE_GRAM_BLOCK
+    assert select.blocked_gram_rows(select.MIN_BLOCKED_SIZE, 4 * select.MIN_BLOCKED_SIZE) is None
+    monkeypatch.setenv(select.ENV_VAR, "torch")
+    assert not select.use_blocked(torch.empty(0), size=k, inner=wide)
+
+
+def test_wide_gram_at_real_size_matches_float64_and_newton_schulz_uses_it(monkeypatch):
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    calls = []
+    real = cpu_symmetric.gram
+    monkeypatch.setattr(cpu_symmetric, "gram", lambda x, **kw: (calls.append((x.shape[-2], kw.get("block"))),
+                                                                 real(x, **kw))[1])
+    k = select.MIN_BLOCKED_WIDE_GRAM_SIZE
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(2, k, select.WIDE_GRAM_ASPECT * k + 8, generator=gen)
+    got = kernels.gram(x)
+    torch.testing.assert_close(got.double(), x.double() @ x.double().mT, rtol=1e-5, atol=1e-3)
+    assert_symmetric(got)
+    assert calls == [(k, select.WIDE_GRAM_BLOCK)]
+    calls.clear()
+    newton_schulz(x.mT, dtype=torch.float32)  # tall: the short side is k, the long one wide
+    assert calls == [(k, select.WIDE_GRAM_BLOCK)] * 5
+    calls.clear()
+    newton_schulz(torch.randn(1, k, k + 8, generator=gen), dtype=torch.float32)
+    assert calls == []
+
+
 def test_dispatch_routes_every_product(monkeypatch):
     calls = []
     for name in ("gram", "symmetric_polynomial", "symmetric_product"):

@@ -44,8 +44,9 @@ def gram(x: Tensor, out: Tensor | None = None) -> Tensor:
         return out
     if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC):
         return select.triton_module(_SYMMETRIC).gram(x)
-    if select.use_blocked(x, size=x.shape[-2]):
-        return cpu_symmetric.gram(x, out=out)
+    k, n = x.shape[-2:]
+    if select.use_blocked(x, size=k, inner=n):
+        return cpu_symmetric.gram(x, out=out, block=select.blocked_gram_rows(k, n))
     return torch_backend.gram(x, out=out)
 
 

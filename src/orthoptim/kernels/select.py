@@ -6,7 +6,8 @@
   ``MIN_TRITON_SIZE``, QuACK's CuTeDSL symmetric GEMMs when ``quack-kernels`` is installed (the
   ``hopper`` extra; fp16/bf16 on sm90+), else Triton when ``triton`` is installed; for bf16/fp32
   CPU tensors whose output side is at least ``MIN_BLOCKED_SIZE``, the blocked products of
-  ``cpu_symmetric``; torch everywhere else.
+  ``cpu_symmetric`` (for X Xᵀ of an X at least ``WIDE_GRAM_ASPECT`` times as wide as tall, already
+  from ``MIN_BLOCKED_WIDE_GRAM_SIZE`` on); torch everywhere else.
 - ``quack``: QuACK's kernels wherever they can run, whatever the size; torch for everything else.
 - ``torch``: the torch backend everywhere.
 - ``blocked``: ``cpu_symmetric`` for every CPU tensor, whatever the size or dtype; torch elsewhere.
@@ -45,6 +46,14 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the k×k products lose on two threads.
 MIN_BLOCKED_SIZE = 768
 BLOCKED_DTYPES = (torch.bfloat16, torch.float32)
+# Below MIN_BLOCKED_SIZE, X Xᵀ of a wide X (n ≥ WIDE_GRAM_ASPECT·k) is still computed block by
+# block from k = MIN_BLOCKED_WIDE_GRAM_SIZE on, in blocks of WIDE_GRAM_BLOCK rows: each block row is
+# a GEMM over the long side n, which keeps near the full rate at 128 rows, while the k×k products
+# (inner side k) lose there. Measured with benchmarks/cpu_symmetric_bench.py on AMD Zen 4 (bf16 and
+# fp32, one and two threads, n = 2k and 4k): 1.10-1.43x at k = 512; at 384, 0.83-0.93x in fp32 on two.
+MIN_BLOCKED_WIDE_GRAM_SIZE = 512
+WIDE_GRAM_ASPECT = 2
+WIDE_GRAM_BLOCK = 128
 
 
 def requested() -> str:
@@ -91,8 +100,9 @@ def use_quack(*tensors: Tensor, size: int | None = None) -> bool:
     return quack_symmetric.can_run(*tensors)
 
 
-def use_blocked(*tensors: Tensor, size: int | None = None) -> bool:
-    """True when ``cpu_symmetric``'s blocked products should run a product of ``tensors`` (output side ``size``)."""
+def use_blocked(*tensors: Tensor, size: int | None = None, inner: int | None = None) -> bool:
+    """True when ``cpu_symmetric``'s blocked products should run a product of ``tensors`` (output side
+    ``size``; ``inner``: the length of the sums, n for X Xᵀ of a [k, n] X)."""
     choice = requested()
     if choice not in ("auto", "blocked") or not all(t.device.type == "cpu" for t in tensors):
         return False
@@ -101,7 +111,16 @@ def use_blocked(*tensors: Tensor, size: int | None = None) -> bool:
         return False
     if choice == "blocked":
         return True
-    return all(t.dtype in BLOCKED_DTYPES for t in tensors) and size is not None and size >= MIN_BLOCKED_SIZE
+    if size is None or not all(t.dtype in BLOCKED_DTYPES for t in tensors):
+        return False
+    wide = inner is not None and inner >= WIDE_GRAM_ASPECT * size and size >= MIN_BLOCKED_WIDE_GRAM_SIZE
+    return size >= MIN_BLOCKED_SIZE or wide
+
+
+def blocked_gram_rows(size: int, inner: int) -> int | None:
+    """Rows per block for a blocked X Xᵀ of output side ``size`` and inner side ``inner`` (None:
+    ``cpu_symmetric.BLOCK``): ``WIDE_GRAM_BLOCK`` where only the wide-X rule picks the blocked product."""
+    return WIDE_GRAM_BLOCK if size < MIN_BLOCKED_SIZE and inner >= WIDE_GRAM_ASPECT * size else None
 
 
 def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
