@@ -117,8 +117,13 @@ def test_auto_blocks_the_gram_matrix_of_wide_inputs_below_the_threshold(monkeypa
     assert not select.use_blocked(torch.empty(0, dtype=F64), size=k, inner=wide)
     assert select.blocked_gram_rows(k, wide) == select.WIDE_GRAM_BLOCK
     assert select.blocked_gram_rows(select.MIN_BLOCKED_SIZE, 4 * select.MIN_BLOCKED_SIZE) is None
+    assert select.blocked_gram_rows(k - 1, 4 * k) is None
+    assert kernels.backend(torch.empty(0), size=k, inner=wide) == "blocked"
+    assert kernels.backend(torch.empty(0), size=k) == "torch"
     monkeypatch.setenv(select.ENV_VAR, "torch")
     assert not select.use_blocked(torch.empty(0), size=k, inner=wide)
+    monkeypatch.setenv(select.ENV_VAR, "blocked")  # forced: every product in the module's BLOCK rows
+    assert select.blocked_gram_rows(k, wide) is None and select.blocked_gram_rows(36, 90) is None
 
 
 def test_wide_gram_at_real_size_matches_float64_and_newton_schulz_uses_it(monkeypatch):

@@ -23,14 +23,14 @@ _SYMMETRIC = "triton_symmetric"
 _DION3 = "triton_dion3"
 
 
-def backend(x: Tensor, size: int | None = None) -> str:
+def backend(x: Tensor, size: int | None = None, inner: int | None = None) -> str:
     """The backend ("torch", "triton", "quack" or "blocked") a symmetric product with output side
-    ``size`` would use."""
+    ``size`` would use (``inner``: the inner side, n for X Xᵀ of a [k, n] X; None for the k×k products)."""
     if select.use_quack(x, size=size):
         return "quack"
     if select.use_triton(x, size=size, module=_SYMMETRIC):
         return "triton"
-    return "blocked" if select.use_blocked(x, size=size) else "torch"
+    return "blocked" if select.use_blocked(x, size=size, inner=inner) else "torch"
 
 
 def gram(x: Tensor, out: Tensor | None = None) -> Tensor:

@@ -113,14 +113,20 @@ def use_blocked(*tensors: Tensor, size: int | None = None, inner: int | None = N
         return True
     if size is None or not all(t.dtype in BLOCKED_DTYPES for t in tensors):
         return False
-    wide = inner is not None and inner >= WIDE_GRAM_ASPECT * size and size >= MIN_BLOCKED_WIDE_GRAM_SIZE
-    return size >= MIN_BLOCKED_SIZE or wide
+    return size >= MIN_BLOCKED_SIZE or _wide_gram(size, inner)
+
+
+def _wide_gram(size: int, inner: int | None) -> bool:
+    """X Xᵀ below ``MIN_BLOCKED_SIZE`` that ``auto`` still blocks: a wide X from ``MIN_BLOCKED_WIDE_GRAM_SIZE`` on."""
+    return inner is not None and MIN_BLOCKED_WIDE_GRAM_SIZE <= size < MIN_BLOCKED_SIZE and \
+        inner >= WIDE_GRAM_ASPECT * size
 
 
 def blocked_gram_rows(size: int, inner: int) -> int | None:
-    """Rows per block for a blocked X Xᵀ of output side ``size`` and inner side ``inner`` (None:
-    ``cpu_symmetric.BLOCK``): ``WIDE_GRAM_BLOCK`` where only the wide-X rule picks the blocked product."""
-    return WIDE_GRAM_BLOCK if size < MIN_BLOCKED_SIZE and inner >= WIDE_GRAM_ASPECT * size else None
+    """Rows per block for a blocked X Xᵀ of output side ``size`` and inner side ``inner``:
+    ``WIDE_GRAM_BLOCK`` where ``auto`` blocks it by the wide-X rule, else None (``cpu_symmetric.BLOCK``,
+    also for every product that ``ORTHOPTIM_KERNELS=blocked`` forces)."""
+    return WIDE_GRAM_BLOCK if requested() == "auto" and _wide_gram(size, inner) else None
 
 
 def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
