@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats, all_reduce
-from orthoptim.distributed.row_exchange import RowExchange, shard_rows
+from orthoptim.distributed.dtensor import shard_rows
+from orthoptim.distributed.row_exchange import RowExchange
 from orthoptim.kernels.torch_backend import normalized_row_scale, row_sums_of_squares
 
 

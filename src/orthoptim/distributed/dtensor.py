@@ -1,11 +1,10 @@
 """DTensor access that works on every torch build: the classes (empty tuples where torch has no
-distributed support, so ``isinstance`` is always False), a rank's block, and torch.chunk's split."""
+distributed support, so ``isinstance`` is always False), a rank's block, and torch.chunk's split
+(``shard_rows``, the rule every exchange sizes the ranks' blocks by)."""
 
 from __future__ import annotations
 
 from torch import Tensor
-
-from orthoptim.distributed.row_exchange import shard_rows
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -16,6 +15,12 @@ try:  # DTensor's own rule for a rank's block (private; chunked_local_shape's ow
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as _dtensor_local_shape
 except ImportError:
     _dtensor_local_shape = None
+
+
+def shard_rows(rows: int, world: int) -> list[int]:
+    """Rows (or columns) each rank holds under ``Shard(0)`` (torch.chunk semantics: the last ranks may hold 0)."""
+    chunk = -(-rows // world)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from orthoptim.distributed.row_exchange import shard_rows
+from orthoptim.distributed.dtensor import shard_rows
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orthoptim import rules
 from orthoptim.distributed.comm import CommStats
 from orthoptim.distributed.dtensor import distribute_tensor
 from orthoptim.distributed.megabatch import megabatches
-from orthoptim.rules.weight_decay import decay_
 
 
 def _stackable(t) -> bool:
@@ -99,7 +99,7 @@ class Gathered:
 
     def write_back(self, lr: float | Tensor, weight_decay: float) -> None:
         local = self.p.to_local()
-        decay_([local], lr, weight_decay)
+        rules.weight_decay.decay_([local], lr, weight_decay)  # looked up per call: step_phases wraps it
         local.add_(self._block(self.delta, self.p))
         self.state["momentum"].to_local().copy_(self._block(self.momentum, self.p))
         if self.variance is not None:

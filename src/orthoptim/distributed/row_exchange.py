@@ -18,13 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats, all_gather_batch
+from orthoptim.distributed.dtensor import shard_rows
 from orthoptim.rules.selection import l1_norms, num_selected
-
-
-def shard_rows(rows: int, world: int) -> list[int]:
-    """Rows each rank holds under ``Shard(0)`` (torch.chunk semantics: the last ranks may hold 0)."""
-    chunk = -(-rows // world)
-    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
 
 
 def _as_columns(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -25,11 +25,11 @@ from torch.optim import Optimizer
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
 from orthoptim.distributed.column_exchange import ColumnShardedPlan
-from orthoptim.distributed.dtensor import DTensor, local_tensor
+from orthoptim.distributed.dtensor import DTensor, local_tensor, shard_rows
 from orthoptim.distributed.factor_sharding import FactorSharding
 from orthoptim.distributed.gather import Gathered
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
-from orthoptim.distributed.row_exchange import RowShardedPlan, shard_rows
+from orthoptim.distributed.row_exchange import RowShardedPlan
 from orthoptim.kernels import cpu_dtype
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError

@@ -3,7 +3,8 @@ and does each float16 momentum fit float16 this step? Distributed, every rank ag
 
 ``GradientChecks`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's groups, state, names, meshes (``_process_group``, ``_replicate_group``,
-``_inner_group``), ``capturable`` and ``comm_stats``.
+``_inner_group``), ``capturable``, ``comm_stats`` and, for float16 matrices, their views and layouts
+(``_view``, ``_layout``).
 """
 
 from __future__ import annotations

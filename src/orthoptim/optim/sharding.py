@@ -4,7 +4,7 @@
 
 ``ShardedParameters`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's meshes (``_process_group``, ``_replicate_group``, ``_inner_group``), ``state``,
-``comm_stats`` and its verdict groups (``GradientChecks._verdict_groups``).
+``comm_stats``, ``param_name`` and its verdict groups (``GradientChecks._verdict_groups``).
 """
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim.distributed import megabatches
-from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, chunked_local_shape, local_tensor
+from orthoptim.distributed.dtensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    chunked_local_shape,
+    local_tensor,
+    shard_rows,
+)
 from orthoptim.distributed.factor_sharding import FactorSharding, factor_sharding
-from orthoptim.distributed.row_exchange import shard_rows
 from orthoptim.optim.validation import MATRIX_ALGORITHMS
 
 
@@ -135,20 +141,21 @@ class ShardedParameters:
 
     def _sharded_over_distributed_mesh(self, p: Tensor) -> bool:
         if p not in self._over_distributed_mesh:
-            dim = next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
+            dim = self._sharded_mesh_dim(p)  # its first (here: only) sharded mesh dimension
             self._over_distributed_mesh[p] = self._process_group is not None and \
                 dist.get_process_group_ranks(p.device_mesh.get_group(dim)) == \
                 dist.get_process_group_ranks(self._process_group)
         return self._over_distributed_mesh[p]
 
     @staticmethod
-    def _expert_mesh_dim(p: Tensor) -> int:
+    def _sharded_mesh_dim(p: Tensor) -> int:
+        """The first mesh dimension ``p`` is sharded over (for a Shard(0) batch of experts: the one that splits it)."""
         return next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
 
     def _local_batch_range(self, p: Tensor) -> tuple[int, int, int]:
         """For a ``Shard(0)`` batch of matrices (torch.chunk-style): the mesh dimension it is sharded
         over, the index of this rank's first matrix and how many it holds."""
-        dim = self._expert_mesh_dim(p)
+        dim = self._sharded_mesh_dim(p)
         sizes = shard_rows(p.shape[0], p.device_mesh.size(dim))
         rank = p.device_mesh.get_local_rank(dim)
         return dim, sum(sizes[:rank]), sizes[rank]

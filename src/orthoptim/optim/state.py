@@ -2,8 +2,8 @@
 distributed checkpoints load), and checked when a state dict is loaded.
 
 ``StateKeeping`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
-optimizer's ``state``, ``param_groups``, ``capturable``, ``_positions`` and its matrix views and
-layouts (``_view``, ``_layout``).
+optimizer's ``state``, ``param_groups``, ``capturable``, ``_positions``, ``param_name``, its matrix
+views and layouts (``_view``, ``_layout``) and its parameter check (``_check_param``).
 """
 
 from __future__ import annotations
