@@ -29,9 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# FSDP2 cannot run HSDP over gloo (CPU) before torch 2.8: its replica all-reduce asks gloo for
-# ReduceOp.AVG and then waits for a CUDA event (the CLI refuses --hsdp on CPU there).
-needs_cpu_hsdp = pytest.mark.skipif(torch.__version__ < "2.8", reason="FSDP2 HSDP over gloo (CPU) needs torch >= 2.8")
+from orthoptim.train.loop import CPU_HSDP_MIN_TORCH
+
+# FSDP2 cannot run HSDP over gloo (CPU) on older torch (the CLI refuses --hsdp on CPU there).
+needs_cpu_hsdp = pytest.mark.skipif(torch.__version__ < CPU_HSDP_MIN_TORCH,
+                                    reason=f"FSDP2 HSDP over gloo (CPU) needs torch >= {CPU_HSDP_MIN_TORCH}")
 
 
 def _free_port() -> int:

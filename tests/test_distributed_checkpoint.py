@@ -34,7 +34,7 @@ def _build(name: str, world: int | None):
     from orthoptim.train.loop import fully_shard_options
 
     mesh = init_device_mesh("cpu", (world,))
-    options = fully_shard_options()
+    options = fully_shard_options(mesh)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, **options)

@@ -267,18 +267,43 @@ def test_rows_sharded_over_another_sub_mesh_of_the_same_size_are_refused():
         assert "mesh['shard']" in message, message
 
 
-def _fully_shard_training(rank: int, world: int, reduce: str) -> dict:
-    """A real FSDP2 model: each rank trains on its slice; equals one process on the whole batch, its
-    gradients too (Muon alone would not see gradients off by a constant factor). ``reduce``: "auto"
-    (``fully_shard_options``: plain FSDP2 where gloo averages, as on torch >= 2.9) or "fp64" (the
-    sum-then-divide options used where gloo's AVG sums, on torch 2.7 and 2.8)."""
+def _sum_where_avg_is_asked() -> None:
+    """Make this process's reduce-scatters sum when asked to average, as gloo's did on torch 2.7 and
+    2.8 (FSDP2 calls them through the ``torch.distributed`` module: ``reduce_scatter_tensor`` or, on
+    newer torch, ``reduce_scatter_single``)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+        signature = inspect.signature(real)
+
+        def summing(*args, _real=real, _signature=signature, **kwargs):
+            bound = _signature.bind(*args, **kwargs)
+            if bound.arguments.get("op") == dist.ReduceOp.AVG:
+                bound.arguments["op"] = dist.ReduceOp.SUM
+            return _real(*bound.args, **bound.kwargs)
+
+        setattr(dist, name, summing)
+
+
+def _fully_shard_training(rank: int, world: int, summing_gloo: bool) -> dict:
+    """A real FSDP2 model, sharded with ``fully_shard_options``: each rank trains on its slice; equals
+    one process on the whole batch, its gradients too (Muon alone would not see gradients off by a
+    constant factor). ``summing_gloo``: reduce-scatters sum where asked to average, as on torch 2.7
+    and 2.8, so that the options' workaround is exercised on every torch."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from orthoptim.train.loop import fp64_reduce_options, fully_shard_options
+    from orthoptim.train.loop import fully_shard_options
 
+    if summing_gloo:
+        _sum_where_avg_is_asked()
     mesh = init_device_mesh("cpu", (world,))
-    options = fully_shard_options() if reduce == "auto" else fp64_reduce_options()
+    options = fully_shard_options(mesh)
     torch.manual_seed(0)
     data, target = torch.randn(8 * world, 16), torch.randn(8 * world, 4)
 
@@ -306,36 +331,18 @@ def _fully_shard_training(rank: int, world: int, reduce: str) -> dict:
         opt_sharded.step()
         opt_sharded.zero_grad()
     return {"errors": [float((a.full_tensor() - b).norm() / b.norm())
-                       for a, b in zip(sharded.parameters(), single.parameters())], "grad_errors": grad_errors}
+                       for a, b in zip(sharded.parameters(), single.parameters())],
+            "grad_errors": grad_errors, "options": sorted(options)}
 
 
-@pytest.mark.parametrize("reduce", ["auto", "fp64"])
-def test_fully_shard_model_matches_single_process(reduce):
-    for rec in run_distributed(partial(_fully_shard_training, reduce=reduce), 2, timeout=120):
+@pytest.mark.parametrize("summing_gloo", [False, True], ids=["gloo", "gloo-summing-avg"])
+def test_fully_shard_model_matches_single_process(summing_gloo):
+    # gloo's own reduce-scatter sums where asked to average before torch 2.9: the options are then needed too
+    needed = summing_gloo or torch.__version__ < "2.9"
+    for rec in run_distributed(partial(_fully_shard_training, summing_gloo=summing_gloo), 2, timeout=120):
+        assert rec["options"] == (["mp_policy"] if needed else []), rec["options"]
         assert max(rec["errors"]) <= 1e-4, rec["errors"]  # reduce-scatter averaging reorders sums
         assert max(rec["grad_errors"]) <= 1e-5, rec["grad_errors"]
-
-
-def _probe_summing_gloo(rank: int, world: int) -> dict:
-    """``fully_shard_options`` takes the fp64 sum-then-divide options exactly where gloo's AVG sums."""
-    import torch.distributed as dist
-
-    from orthoptim.train import loop
-
-    real = dist.reduce_scatter_tensor
-    plain = loop.fully_shard_options()
-    dist.reduce_scatter_tensor = lambda out, inp, op=None, **kw: real(out, inp, op=dist.ReduceOp.SUM, **kw)
-    try:
-        summing = loop.fully_shard_options()
-    finally:
-        dist.reduce_scatter_tensor = real
-    return {"plain": sorted(plain), "summing": {k: str(v.reduce_dtype) for k, v in summing.items()}}
-
-
-@pytest.mark.skipif(torch.__version__ < "2.9", reason="gloo's reduce-scatter averages from torch 2.9 on")
-def test_fully_shard_options_probe_gloo():
-    for rec in run_distributed(_probe_summing_gloo, 2, timeout=60):
-        assert rec == {"plain": [], "summing": {"mp_policy": "torch.float64"}}
 
 
 def _hsdp_training(rank: int, world: int) -> dict:
@@ -346,7 +353,7 @@ def _hsdp_training(rank: int, world: int) -> dict:
     from orthoptim.train.loop import fully_shard_options
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    options = fully_shard_options()
+    options = fully_shard_options(mesh)
     torch.manual_seed(0)
     data, target = torch.randn(8 * world, 16), torch.randn(8 * world, 4)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from orthoptim.cli import CommandError, HelpFormatter, UsageError
 from orthoptim.train import data as datamod
 from orthoptim.train.loop import (
+    CPU_HSDP_MIN_TORCH,
     DEFAULT_LR,
     OPTIMIZERS,
     Parallel,
@@ -397,10 +398,9 @@ def start_distributed(cfg: TrainConfig, mode: str | None = None,
                          f"{world_size}; choose R,S with R*S = {world_size}, "
                          f"e.g. --hsdp {replicas},{world_size // replicas}")
     cuda = torch.device(cfg.device).type == "cuda"
-    if mode == "hsdp" and not cuda and torch.__version__ < "2.8":
-        # torch 2.7's FSDP2 averages HSDP replicas with an all-reduce gloo refuses (ReduceOp.AVG) and
-        # expects a CUDA event after it; both were fixed in torch 2.8.
-        raise UsageError(f"{flag} on CPU needs torch >= 2.8 (this is {torch.__version__}); use --fsdp or --ddp")
+    if mode == "hsdp" and not cuda and torch.__version__ < CPU_HSDP_MIN_TORCH:
+        raise UsageError(f"{flag} on CPU needs torch >= {CPU_HSDP_MIN_TORCH} (this is {torch.__version__}); "
+                         "use --fsdp or --ddp")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")

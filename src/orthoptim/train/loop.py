@@ -172,22 +172,30 @@ def shard_model(model: GPT, parallel: Parallel) -> None:
     ``fully_shard`` replicates over the first dimension and shards over the second (HSDP)."""
     from torch.distributed.fsdp import fully_shard
 
-    options = fully_shard_options()
+    options = fully_shard_options(parallel.mesh)
     for block in model.blocks:
         fully_shard(block, mesh=parallel.mesh, **options)
     fully_shard(model, mesh=parallel.mesh, **options)
 
 
-def fully_shard_options() -> dict[str, Any]:
-    """Extra ``fully_shard`` arguments for this process group: none, except where gloo's reduce-scatter
-    sums when asked for ReduceOp.AVG (torch 2.7 and 2.8), which leaves FSDP2's fp32/bf16 gradients
-    world-size times too large (silently: orthonormal updates and AdamW ignore the gradient's scale,
-    but the clip threshold, grad norms and saved momenta do not). There ``fp64_reduce_options``.
-    One tiny reduce-scatter finds out: call on every rank."""
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
+# FSDP2 can average HSDP replicas over gloo (CPU) from this torch on: before it, its replica
+# all-reduce asks gloo for ReduceOp.AVG and then waits for a CUDA event.
+CPU_HSDP_MIN_TORCH = "2.8"
+
+
+def fully_shard_options(mesh: Any) -> dict[str, Any]:
+    """Extra ``fully_shard`` arguments for a model sharded over the DeviceMesh ``mesh``: none, except on
+    CPU meshes where gloo's reduce-scatter sums when asked for ReduceOp.AVG (torch 2.7 and 2.8), which
+    leaves FSDP2's fp32/bf16 gradients world-size times too large (silently: orthonormal updates and
+    AdamW ignore the gradient's scale, but the clip threshold, grad norms and saved momenta do not).
+    There ``fp64_reduce_options``. One tiny reduce-scatter of CPU tensors over the mesh's shard group
+    (its last dimension, where FSDP2 reduce-scatters) finds out, whatever the backend string says:
+    call it on every rank of the mesh, once, and pass the result to every ``fully_shard`` call."""
+    if mesh.device_type != "cpu":
         return {}
+    group = mesh.get_group(mesh.ndim - 1)
     averaged = torch.empty(1)
-    dist.reduce_scatter_tensor(averaged, torch.ones(dist.get_world_size()), op=dist.ReduceOp.AVG)
+    dist.reduce_scatter_tensor(averaged, torch.ones(dist.get_world_size(group)), op=dist.ReduceOp.AVG, group=group)
     return {} if averaged.item() == 1.0 else fp64_reduce_options()
 
 
