@@ -3,8 +3,8 @@ and does each float16 momentum fit float16 this step? Distributed, every rank ag
 
 ``GradientChecks`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's groups, state, names, meshes (``_process_group``, ``_replicate_group``,
-``_inner_group``), ``capturable``, ``comm_stats`` and, for float16 matrices, their views and layouts
-(``_view``, ``_layout``).
+``_inner_group``), ``capturable``, ``comm_stats`` and, for float16 matrices, their views, layouts
+and shard counts (``_view``, ``_layout``, ``ShardedParameters._shard_counts``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
+from orthoptim.distributed.dtensor import DTensor, Replicate, local_tensor
 from orthoptim.optim.capture import capturing
 from orthoptim.optim.validation import MATRIX_ALGORITHMS
 
@@ -165,20 +165,6 @@ class GradientChecks:
                     size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits
-
-    @staticmethod
-    def _shard_counts(p: Tensor, batched: bool) -> tuple[int, int]:
-        """How many shards split the rows and the columns of a parameter's matrices (``batched``: a
-        [batch, rows, cols] tensor, whose dim 0 splits whole matrices)."""
-        rows = cols = 1
-        first = 1 if batched else 0
-        for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
-            if isinstance(placement, Shard) and placement.dim >= first:
-                if placement.dim == first:
-                    rows *= p.device_mesh.size(mesh_dim)
-                else:
-                    cols *= p.device_mesh.size(mesh_dim)
-        return rows, cols
 
     def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         """Capturable: record which gradients are non-finite without reading the verdict back."""

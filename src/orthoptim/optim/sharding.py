@@ -152,6 +152,20 @@ class ShardedParameters:
         """The first mesh dimension ``p`` is sharded over (for a Shard(0) batch of experts: the one that splits it)."""
         return next(i for i, pl in enumerate(p.placements) if not isinstance(pl, Replicate))
 
+    @staticmethod
+    def _shard_counts(p: Tensor, batched: bool) -> tuple[int, int]:
+        """How many shards split the rows and the columns of a parameter's matrices (``batched``: a
+        [batch, rows, cols] tensor, whose dim 0 splits whole matrices)."""
+        rows = cols = 1
+        first = 1 if batched else 0
+        for mesh_dim, placement in enumerate(getattr(p, "placements", ())):
+            if isinstance(placement, Shard) and placement.dim >= first:
+                if placement.dim == first:
+                    rows *= p.device_mesh.size(mesh_dim)
+                else:
+                    cols *= p.device_mesh.size(mesh_dim)
+        return rows, cols
+
     def _local_batch_range(self, p: Tensor) -> tuple[int, int, int]:
         """For a ``Shard(0)`` batch of matrices (torch.chunk-style): the mesh dimension it is sharded
         over, the index of this rank's first matrix and how many it holds."""
