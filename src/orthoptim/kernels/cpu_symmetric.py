@@ -11,7 +11,8 @@ element is the same sum of products a full GEMM forms, accumulated and rounded a
 Below ~768 rows the smaller GEMMs run slow enough to lose what they skip (AMD Zen 4, bf16 and
 fp32: 0.6-1.4x per product at k = 256-512, losses mostly on two threads; 1.1-1.8x from k = 768 to
 2048 on one and two threads; ``benchmarks/cpu_symmetric_bench.py``), which is why ``select`` only
-picks them from ``MIN_BLOCKED_SIZE`` on.
+picks them from ``MIN_BLOCKED_SIZE`` on; the exception is X Xᵀ of a wide X, whose block rows are
+GEMMs over the long side and win from ``MIN_BLOCKED_WIDE_GRAM_SIZE`` on, in smaller blocks.
 """
 
 from __future__ import annotations
