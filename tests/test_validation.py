@@ -532,6 +532,69 @@ def test_options_changed_between_steps_are_checked_before_the_step(key, value, f
     assert_unchanged(before, model, opt)
 
 
+@pytest.mark.parametrize(("name", "group", "edit", "fragments"), [
+    ("dion3", 2, {"num_heads": 3}, ["conv.weight", "num_heads=3"]),
+    ("dion3", 2, {"split_sizes": [1, 2]}, ["conv.weight", "split_sizes=[1, 2]"]),
+    ("dion3", 2, {"flatten": False}, ["conv.weight", "flatten=True"]),
+    ("dion3", 0, {"algorithm": "dion3"}, ["lin.bias", "algorithm='adamw'"]),
+    ("dion", 2, {"num_heads": 2}, ["conv.weight", "state 'Q'", "num_heads=2"]),
+    ("dion", 2, {"rank_fraction": 0.5}, ["conv.weight", "state 'Q'", "rank_fraction=0.5"]),
+])
+def test_edits_that_do_not_fit_a_parameter_are_refused_before_any_group_steps(name, group, edit, fragments):
+    """Options whose check needs the parameters (num_heads, split_sizes, flatten, a matrix rule on a vector)
+    or that no longer fit the state already made (Dion's right factors Q) are checked for every group
+    before the first one is stepped: the groups before the edited one stay as they were too."""
+    model, opt = live_optimizer(name)
+    opt.param_groups[group].update(edit)
+    set_grads(model, 2)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, *fragments):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
+def test_capturable_only_options_are_checked_at_step_time_too():
+    model, opt = live_optimizer(capturable=True)
+    opt.param_groups[1]["nonfinite"] = "skip"
+    set_grads(model, 2)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, "param group 1 (at step time)", "nonfinite='skip'", "capturable=True"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
+def test_a_capturable_group_refused_for_its_devices_is_not_added():
+    weight = nn.Parameter(torch.randn(4, 4))
+    opt = orthoptim.Dion3([weight], capturable=True)
+    other, on_meta = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4, device="meta"))
+    with raises_naming(ValueError, "param group 1", "on one device"):
+        opt.add_param_group({"params": [other, on_meta]})
+    assert len(opt.param_groups) == 1 and other not in opt.state
+    opt.add_param_group({"params": [other]})  # the same parameter, now alone, is accepted
+    assert len(opt.param_groups) == 2 and isinstance(opt.param_groups[1]["lr"], torch.Tensor)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "dion", "dion3"])
+def test_capturable_float64_steps_keep_float64_learning_rates(name):
+    """A capturable group's lr tensor is as wide as its parameters: fp64 steps equal eager fp64 steps."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (6,) if name in ("adamw", "lion") else (6, 5)
+    x0 = torch.randn(shape, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for capturable in (False, True):
+        p = nn.Parameter(x0.clone())
+        cls = orthoptim.Dion if name == "dion" else orthoptim.Dion3
+        opt = cls([{"params": [p], "algorithm": name}], lr=0.0123, weight_decay=0.1, capturable=capturable)
+        if capturable:
+            assert opt.param_groups[0]["lr"].dtype == torch.float64
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-14)
+
+
 def test_a_fraction_schedule_between_steps_is_followed():
     model, opt = live_optimizer("dion3", weight_decay=0.0)
     for fraction, rows in ((1.0, 6), (0.5, 3), (0.25, 2)):  # lin.weight has 6 rows: ceil(f·6) move

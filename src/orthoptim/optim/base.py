@@ -117,6 +117,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         validate_group(full, "the optimizer's defaults")
         self._names: dict[Tensor, str] = {}
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
+        # The options each parameter was last checked under at step time (see _check_group_at_step).
+        self._checked_options: dict[Tensor, tuple[Any, ...]] = {}
         super().__init__(params, full)
 
     # ----------------------------------------------------------------------------- groups
@@ -138,17 +140,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 "meant for",
                 stacklevel=3,
             )
-        if self.capturable and merged["selection_scope"] == "global" and merged["algorithm"] in ("dion2", "dion3"):
-            raise ValueError(
-                f"param group {index}: selection_scope='global' sizes its row exchange from the selected rows "
-                "on the host, which capturable=True rules out; use selection_scope='local' or capturable=False"
-            )
-        if self.capturable and merged["nonfinite"] == "skip":
-            raise ValueError(
-                f"param group {index}: nonfinite='skip' needs a host sync each step, which capturable=True "
-                "rules out; keep nonfinite='raise' (with capturable=True, non-finite gradients are flagged and "
-                "optimizer.check_nonfinite() raises after the step) or set capturable=False"
-            )
+        self._check_capturable_options(merged, f"param group {index}")
         raw = param_group["params"]
         raw = [raw] if isinstance(raw, Tensor) else list(raw)
         named = [(p if isinstance(p, tuple) else (None, p)) for p in raw]
@@ -162,6 +154,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._check_blocks([p for _, p in named], labels, index)
         for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)
+        if self.capturable:  # before the group is added: a refused group must leave no trace
+            self._check_one_device([p for _, p in named], index)
         super().add_param_group({**param_group, "params": raw})
         group = self.param_groups[-1]
         if self.capturable:
@@ -174,6 +168,41 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
             self._init_state(p, group)
+
+    def _check_capturable_options(self, group: dict[str, Any], where: str) -> None:
+        """Options that need the host during a step, which capturable=True rules out."""
+        if not self.capturable:
+            return
+        if group["selection_scope"] == "global" and group["algorithm"] in ("dion2", "dion3"):
+            raise ValueError(
+                f"{where}: selection_scope='global' sizes its row exchange from the selected rows "
+                "on the host, which capturable=True rules out; use selection_scope='local' or capturable=False"
+            )
+        if group["nonfinite"] == "skip":
+            raise ValueError(
+                f"{where}: nonfinite='skip' needs a host sync each step, which capturable=True "
+                "rules out; keep nonfinite='raise' (with capturable=True, non-finite gradients are flagged and "
+                "optimizer.check_nonfinite() raises after the step) or set capturable=False"
+            )
+
+    def _check_group_at_step(self, group: dict[str, Any], index: int) -> None:
+        """Before a step changes anything: the group's options as they are now (schedules and hand edits
+        may have changed them), and what they mean for each parameter: its matrix view (num_heads,
+        split_sizes, flatten, a matrix rule on a vector) and the shapes of the state it already has.
+        The per-parameter part is redone only for options not yet checked with that parameter."""
+        where = f"param group {index} (at step time)"
+        # A tensor lr is not read (that would sync with its device); it was checked when it was set.
+        validate_group({**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group, where)
+        self._check_capturable_options(group, where)
+        splits = group["split_sizes"]
+        key = (group["algorithm"], group["flatten"], group["num_heads"],
+               tuple(splits) if splits is not None else None, group["rank_fraction"])
+        for p in group["params"]:
+            if self._checked_options.get(p) == key:
+                continue
+            self._check_param(p, group, self.param_name(p))
+            self._check_state_shapes(p, group)
+            self._checked_options[p] = key
 
     def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):
@@ -218,10 +247,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 loss = closure()
         for index, group in enumerate(self.param_groups):
             # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
-            # lr or a fraction above 1 is refused here rather than half-way through the step. A tensor
-            # lr is not read (that would sync with its device); it was checked when it was set.
-            options = {**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group
-            validate_group(options, f"param group {index} (at step time)")
+            # lr, a fraction above 1 or num_heads that do not divide the rows are refused here, before
+            # any group is stepped, rather than half-way through the step.
+            self._check_group_at_step(group, index)
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         work = self._flag_nonfinite(work) if self.capturable else self._drop_nonfinite(work)
         if self._replicate_group is not None:

@@ -3,7 +3,8 @@ distributed checkpoints load), and checked when a state dict is loaded.
 
 ``StateKeeping`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's ``state``, ``param_groups``, ``capturable``, ``_positions``, ``param_name``, its matrix
-views and layouts (``_view``, ``_layout``) and its parameter check (``_check_param``).
+views and layouts (``_view``, ``_layout``) and its parameter check (``_check_param``), and clears
+``_checked_options`` (the step-time checks' memory) when a state dict is loaded.
 """
 
 from __future__ import annotations
@@ -33,20 +34,29 @@ class StateKeeping:
     """State creation (``_init_state``), its expected shapes, and a checked ``load_state_dict``."""
 
     @staticmethod
-    def _lr_to_tensor(group: dict[str, Any], index: int) -> None:
-        """A 0-dim fp32 tensor on the parameters' device: a captured graph reads it at replay, and
-        LR schedulers fill it in place (assigning a new float would be ignored by the graph)."""
-        devices = {p.device for p in group["params"]}
+    def _check_one_device(params: list[Tensor], index: int) -> None:
+        """Capturable groups keep their lr on their parameters' device: refuse a group spread over several."""
+        devices = {p.device for p in params if isinstance(p, Tensor)}
         if len(devices) > 1:
             raise ValueError(f"param group {index} holds parameters on {sorted(map(str, devices))}; with "
                              "capturable=True each group's parameters must be on one device")
-        device = devices.pop() if devices else torch.device("cpu")
+
+    @classmethod
+    def _lr_to_tensor(cls, group: dict[str, Any], index: int) -> None:
+        """A 0-dim tensor on the parameters' device, in fp32 (fp64 for a group with fp64 parameters,
+        whose 1 − lr·wd and lr·s would otherwise be rounded to fp32): a captured graph reads it at
+        replay, and LR schedulers fill it in place (assigning a new float would be ignored by the graph)."""
+        cls._check_one_device(group["params"], index)
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        dtype = torch.float32
+        for p in group["params"]:
+            dtype = torch.promote_types(dtype, p.dtype)
         lr = group["lr"]
         # A copy per group: groups that inherit one default must not share the tensor a scheduler fills.
         if isinstance(lr, Tensor):
-            group["lr"] = lr.detach().to(device=device, dtype=torch.float32, copy=True).reshape(())
+            group["lr"] = lr.detach().to(device=device, dtype=dtype, copy=True).reshape(())
         else:
-            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+            group["lr"] = torch.tensor(float(lr), dtype=dtype, device=device)
 
     @staticmethod
     def _dion_ranks(view: MatrixView, rank_fraction: float) -> list[int]:
@@ -84,11 +94,7 @@ class StateKeeping:
             view = self._view(p, group)
             shape = self._dion_q_shape(view, group["rank_fraction"])
             if "Q" in state and tuple(state["Q"].shape) != shape:
-                raise ValueError(
-                    f"parameter {self.param_name(p)}: Dion right factor Q has shape {tuple(state['Q'].shape)} "
-                    f"but rank_fraction={group['rank_fraction']} needs {shape}; keep rank_fraction fixed "
-                    "during training or start from a fresh optimizer"
-                )
+                raise ValueError(self._state_shape_error(p, group, "Q", tuple(state["Q"].shape), shape))
             if "Q" not in state:
                 gen = torch.Generator().manual_seed(DION_Q_SEED + self._positions[p])
                 q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32), group["epsilon"])
@@ -128,6 +134,27 @@ class StateKeeping:
             expected["Q"] = self._dion_q_shape(view, group["rank_fraction"])
         return expected
 
+    def _state_shape_error(self, p: Tensor, group: dict[str, Any], key: str, has: tuple[int, ...],
+                           needs: tuple[int, ...]) -> str:
+        """The message for a state tensor whose shape the group's current options no longer give."""
+        options = {"flatten": group["flatten"], "num_heads": group["num_heads"], "split_sizes": group["split_sizes"]}
+        if group["algorithm"] == "dion":
+            options["rank_fraction"] = group["rank_fraction"]
+        shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
+        return (f"parameter {self.param_name(p)}: its state {key!r} has shape {has} but {group['algorithm']} "
+                f"needs {needs} under the group's options now ({shown}); these options fix the shape of the "
+                "state, so keep them as they were when the state was made, or start from a fresh optimizer")
+
+    def _check_state_shapes(self, p: Tensor, group: dict[str, Any]) -> None:
+        """Refuse existing state of ``p`` whose shape ``group``'s options (edited since) no longer give."""
+        state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
+        if not state:
+            return
+        for key, shape in self._expected_state_shapes(p, group).items():
+            value = state.get(key)
+            if isinstance(value, Tensor) and tuple(value.shape) != shape and not (key == "step" and value.numel() == 1):
+                raise ValueError(self._state_shape_error(p, group, key, tuple(value.shape), shape))
+
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
         checked before anything is loaded, so a refused one leaves this optimizer as it was."""
@@ -159,6 +186,7 @@ class StateKeeping:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_loadable(state_dict)
+        self._checked_options.clear()  # the next step checks the loaded options and state afresh
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
         # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
