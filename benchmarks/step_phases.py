@@ -45,6 +45,7 @@ PHASES = [
     (kernels, "dion3_post_update", "normalize + decay + update (Dion3)"),
     (weight_decay, "decay_", "weight decay"),
     (weight_decay, "apply_", "apply update"),
+    (weight_decay, "decay_and_apply_", "decay + update"),
     (weight_decay, "apply_polar_factors_", "last product + decay + update (Muon)"),
     (nonfinite.GradientChecks, "_finite", "non-finite check"),
 ]

@@ -79,7 +79,10 @@ class Gathered:
     def __init__(self, p: Tensor, state: dict[str, Any], momentum: Tensor, grad: Tensor, variance: Tensor | None):
         self.p, self.state = p, state
         self.momentum, self.grad, self.variance = momentum, grad, variance
-        self.delta = torch.zeros(p.shape, dtype=p.dtype, device=self.momentum.device)
+        # fp16/bf16 parameters collect their update in fp32: write_back then decays and adds in fp32 and
+        # rounds once, as the single-process rules do (rules.weight_decay.ROUNDED_ONCE).
+        self.delta = torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                                 device=self.momentum.device)
 
     @classmethod
     def gather_all(cls, params: list[Tensor], states: list[dict[str, Any]],
@@ -99,8 +102,8 @@ class Gathered:
 
     def write_back(self, lr: float | Tensor, weight_decay: float) -> None:
         local = self.p.to_local()
-        rules.weight_decay.decay_([local], lr, weight_decay)  # looked up per call: step_phases wraps it
-        local.add_(self._block(self.delta, self.p))
+        # X ← X·(1 − lr·wd) + delta; looked up per call: step_phases wraps it
+        rules.weight_decay.decay_and_apply_([local], self._block(self.delta, self.p)[None], lr, weight_decay, -1.0)
         self.state["momentum"].to_local().copy_(self._block(self.momentum, self.p))
         if self.variance is not None:
             self.state["variance"].to_local().copy_(self._block(self.variance, self.state["variance"]))

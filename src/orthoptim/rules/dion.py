@@ -61,6 +61,16 @@ def dion_update(
         b.addmm_(pi, ri[columns].mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
     q_new = normalize_columns(r, eps)
     torch._foreach_copy_(right_factors, list(q_new.unbind(0)))
+    if isinstance(lr, Tensor) and params[0].dtype in weight_decay.ROUNDED_ONCE:
+        # capturable, fp16/bf16: decay and update in fp32 from the old X, rounded once (as addmm_'s beta
+        # does below; a separate decay would round X·(1 − lr·wd) back to X for small lr·wd)
+        for x, pi, qi in zip(params, p, q_new):
+            new = x.float()
+            if weight_decay_rate != 0.0:
+                new.mul_(1.0 - lr * weight_decay_rate)
+            new.addmm_(pi.float() * (-lr * scale), qi[columns].mT.float())
+            x.copy_(new)
+        return
     if isinstance(lr, Tensor):  # capturable: the tensor lr scales the small P; decay as its own pass
         weight_decay.decay_(params, lr, weight_decay_rate)
         for x, pi, qi in zip(params, p, q_new):

@@ -11,6 +11,8 @@ from collections.abc import Callable
 
 from torch import Tensor
 
+from orthoptim import kernels
+from orthoptim.kernels import torch_backend
 from orthoptim.rules import momentum, selection, weight_decay
 
 
@@ -41,5 +43,16 @@ def dion2_update(
     u = selection.gather_slices(momenta, index, dim)
     selection.decay_slices_(momenta, index, u, dim, mu)
     o = orthogonalize(u)
+    if params[0].dtype in weight_decay.ROUNDED_ONCE:
+        # Decay and update of the selected slices in fp32 from the old X, rounded once (Dion3's update
+        # without its normalization); columns as the rows of transposed views.
+        if dim == 0:
+            kernels.dion3_post_update(params, index, o, None, lr=lr, weight_decay=weight_decay_rate, scale=scale,
+                                      beta2=0.0, eps=0.0, normalize=False)
+        else:  # the Triton kernel is tested on row-major matrices only: the torch one for the views
+            torch_backend.dion3_post_update([x.mT for x in params], index, o.mT, None, lr=lr,
+                                            weight_decay=weight_decay_rate, scale=scale, beta2=0.0, eps=0.0,
+                                            normalize=False)
+        return
     weight_decay.decay_(params, lr, weight_decay_rate)
     selection.add_slices_(params, index, o, dim, alpha=-lr * scale)

@@ -37,5 +37,4 @@ def muon_update(
         weight_decay.apply_polar_factors_(params, factors(update_input), lr, weight_decay_rate, scale)
         return
     update = orthogonalize(update_input)
-    weight_decay.decay_(params, lr, weight_decay_rate)
-    weight_decay.apply_(params, update, lr * scale)
+    weight_decay.decay_and_apply_(params, update, lr, weight_decay_rate, lr * scale)

@@ -36,5 +36,4 @@ def normuon_update(
         finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
     o_hat, v_new = finish(update_input, torch.stack(variances))
     torch._foreach_copy_(variances, list(v_new.unbind(0)))
-    weight_decay.decay_(params, lr, weight_decay_rate)
-    weight_decay.apply_(params, o_hat, lr * scale)
+    weight_decay.decay_and_apply_(params, o_hat, lr, weight_decay_rate, lr * scale)

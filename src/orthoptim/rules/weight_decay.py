@@ -42,20 +42,51 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
     torch._foreach_add_(params, list(updates.unbind(0)), alpha=-step_size)
 
 
+# Parameter dtypes whose decay and update are computed together in fp32 and rounded once: rounded
+# on its own, X·(1 − lr·wd) is X again in bf16 whenever lr·wd < 2⁻⁹, and decoupled weight decay
+# would have no effect at all.
+ROUNDED_ONCE = (torch.float16, torch.bfloat16)
+
+
+def decay_and_apply_(params: list[Tensor], updates: Tensor, lr: LearningRate, weight_decay: float,
+                     step_size: LearningRate) -> None:
+    """X ← X·(1 − lr·wd) − step_size·U for each matrix X and the matching matrix of the batch U.
+
+    fp32 and wider parameters: ``decay_`` then ``apply_``, each rounding in the parameters' dtype.
+    fp16/bf16 ones: computed in fp32 from the old X, one matrix at a time, and rounded once.
+    """
+    if params[0].dtype not in ROUNDED_ONCE:
+        decay_(params, lr, weight_decay)
+        apply_(params, updates, step_size)
+        return
+    decay = 1.0 - lr * weight_decay  # a number, or a 0-dim tensor (no host read)
+    for x, u in zip(params, updates.unbind(0)):
+        new = x.float()
+        if weight_decay != 0.0:
+            new.mul_(decay)
+        if isinstance(step_size, Tensor):
+            new.addcmul_(u, -step_size)
+        else:
+            new.add_(u, alpha=-step_size)
+        x.copy_(new)
+
+
 def apply_polar_factors_(params: list[Tensor], factors: PolarFactors, lr: LearningRate, weight_decay: float,
                          scale: float) -> None:
     """X ← X·(1 − lr·wd) − lr·scale·(left @ right) for each matrix, the product written by the GEMM that
     reads and writes X: decay, update and the polar iteration's last product in one pass over X.
 
-    Falls back to ``decay_`` + ``apply_`` when the iteration ran in another dtype than the parameters
-    (one rounding of the update to the parameter dtype, as there), and on accelerators for small
-    matrices, where one kernel launch per matrix costs more than the passes it saves.
+    Falls back to ``decay_and_apply_`` when the iteration ran in another dtype than the parameters
+    (one rounding of the update to the parameter dtype, as there), on accelerators for small
+    matrices, where one kernel launch per matrix costs more than the passes it saves, and for fp16/bf16
+    parameters with a tensor lr (whose decay could not be folded into the GEMM's ``beta``).
     """
     left, right = factors.left, factors.right
     k, n = right.shape[-2:]
-    if left.dtype != params[0].dtype or (left.device.type != "cpu" and k * k * n < FUSED_MIN_MACS_ON_ACCELERATORS):
-        decay_(params, lr, weight_decay)
-        apply_(params, factors.product(), lr * scale)
+    narrow_tensor_lr = isinstance(lr, Tensor) and params[0].dtype in ROUNDED_ONCE
+    if left.dtype != params[0].dtype or narrow_tensor_lr or \
+            (left.device.type != "cpu" and k * k * n < FUSED_MIN_MACS_ON_ACCELERATORS):
+        decay_and_apply_(params, factors.product(), lr, weight_decay, lr * scale)
         return
     if isinstance(lr, Tensor):  # addmm's beta and alpha must be numbers: scale the k×k factor instead
         decay_(params, lr, weight_decay)
