@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -54,11 +55,19 @@ def working_dtype(x: Tensor, dtype: torch.dtype | None, cuda_default: torch.dtyp
 
 
 def as_batch(x: Tensor) -> tuple[Tensor, tuple[int, ...]]:
-    """View [..., k, n] as [B, k, n]; return the leading shape to restore it."""
+    """View [..., k, n] as [B, k, n]; return the leading shape to restore it.
+
+    The polar iterations write into reused buffers (``out=``), which autograd cannot follow: an input
+    that requires grad, with grad mode on, is refused by name here rather than deep inside a product.
+    """
     if x.ndim < 2:
         raise ValueError(f"orthogonalization needs a matrix or a batch of matrices, got shape {tuple(x.shape)}")
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError("the Newton-Schulz iterations are not differentiable (they reuse buffers in place); "
+                         "call them under torch.no_grad() or on x.detach(), or use svd_polar for gradients")
     lead = tuple(x.shape[:-2])
-    return x.reshape(-1, x.shape[-2], x.shape[-1]), lead
+    # math.prod, not -1: a batch of k×0 or 0×n matrices has no elements to infer B from.
+    return x.reshape(math.prod(lead), x.shape[-2], x.shape[-1]), lead
 
 
 # Working dtypes with fp32's exponent range or more. In them X Xᵀ of X as given (not yet divided by its
@@ -95,12 +104,18 @@ def normalize_gram_(a: Tensor, eps: float) -> Tensor:
     """
     acc = torch.promote_types(a.dtype, torch.float32)
     norm = a.diagonal(dim1=-2, dim2=-1).sum(-1, dtype=acc).sqrt()[:, None, None]
-    scale = torch.where(torch.isfinite(norm), 1.0 / (norm + eps), 0.0)
-    # Factors in A's dtype: on CPUs a bf16 tensor times an fp32 one converts the whole tensor to fp32
-    # and back (3x the time); a bf16 factor is within 2⁻⁹ of the exact one, like A's own entries.
-    a.mul_(scale.square().to(a.dtype))
+    scale = torch.where(torch.isfinite(norm), 1.0 / (norm + eps), 0.0).to(a.dtype)
+    # s in A's dtype, the factor X is given later (a bf16 one is within 2⁻⁹ of the exact s). A takes
+    # that same s squared in fp32 (exact for a bf16 s), so it is the Gram matrix of s·X up to one
+    # rounding of its entries: a separately rounded s² would differ by up to 2⁻⁷ in bf16, which the
+    # steep first polynomial magnifies (3x the distance to U Vᵀ for some input scales).
+    square = scale.to(acc).square()
+    if a.dtype == acc:
+        a.mul_(square)
+    else:  # on CPUs a bf16 tensor times an fp32 one in place takes a slow path (~20x this)
+        a.copy_(a.to(acc).mul_(square))
     a.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # inf · 0 where the norm overflowed
-    return scale.to(a.dtype)
+    return scale
 
 
 def normalize(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:

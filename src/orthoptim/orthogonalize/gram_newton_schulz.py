@@ -41,7 +41,7 @@ def gram_newton_schulz(
     recomputed (default: ``DEFAULT_RESTARTS``, and ``BF16_RESTARTS`` when the iteration runs in bf16).
     Square matrices gain nothing from the Gram form and use standard NS.
     Runs in ``dtype`` (default: fp16 on CUDA; on CPUs bf16 where they multiply it natively, else fp32:
-    see ``kernels.cpu_dtype``); returns ``x.dtype``.
+    see ``kernels.cpu_dtype``); returns ``x.dtype``. Not differentiable, like ``newton_schulz``.
     """
     return gram_newton_schulz_factors(x, coefficients, restarts=restarts, dtype=dtype, eps=eps).finish(x)
 
@@ -64,8 +64,8 @@ def gram_newton_schulz_factors(
         raise ValueError(f"restarts must be non-negative iteration indices, got {sorted(restart_at)}")
     batch, _ = as_batch(x)
     k, n = batch.shape[-2:]
-    if k == n:
-        return newton_schulz_factors(x, coeffs, dtype=dtype, eps=eps)
+    if k == n:  # in Gram NS's working dtype (fp16 on CUDA), not standard NS's default (bf16 there)
+        return newton_schulz_factors(x, coeffs, dtype=work, eps=eps)
     transposed = k > n
     if transposed:
         batch = batch.mT

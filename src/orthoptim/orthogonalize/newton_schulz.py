@@ -29,6 +29,8 @@ def newton_schulz(
     form's distance to U Vᵀ stays within 0.001 of it.) Runs in ``dtype`` (default: bf16 on CUDA;
     on CPUs bf16 where they multiply it natively, else fp32: see ``kernels.cpu_dtype``); returns
     ``x.dtype``.
+    Not differentiable (buffers are reused in place): call it under ``torch.no_grad()``, as the
+    optimizers do; ``svd_polar`` is the differentiable reference.
     ``symmetric_kernels``: compute the two symmetric products (A and bA + cA²) through
     ``orthoptim.kernels``, which pick per product: half-computed blocked products on CPUs from
     ``kernels.MIN_BLOCKED_SIZE`` rows on, lower-triangle Triton kernels on CUDA where they run, plain
