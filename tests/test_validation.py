@@ -718,3 +718,12 @@ def test_fp16_dion_check_measures_each_block(blocks):
         else:
             opt.step()
             assert torch.isfinite(p).all()
+
+
+def test_a_channels_last_conv_weight_is_refused_with_the_conversion_to_make():
+    conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    with raises_naming(ValueError, "weight", "not contiguous", "channels_last",
+                       "model.to(memory_format=torch.contiguous_format)"):
+        orthoptim.Dion3(orthoptim.param_groups(conv))
+    conv = conv.to(memory_format=torch.contiguous_format)  # the conversion the message names works
+    orthoptim.Dion3(orthoptim.param_groups(conv))

@@ -216,7 +216,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         if group["algorithm"] in MATRIX_ALGORITHMS:
             self._view(p, group, label)
             if not p.is_contiguous():
-                raise ValueError(f"parameter {label} is not contiguous; call .contiguous() on it first")
+                raise ValueError(
+                    f"parameter {label} is not contiguous (strides {p.stride()} for shape {tuple(p.shape)}, e.g. "
+                    "channels_last); matrix rules work on views of contiguous storage: convert the model first "
+                    "(model.to(memory_format=torch.contiguous_format)) and build the optimizer after that")
         if isinstance(p, DTensor):
             self._check_dtensor(p, group, label)
 
