@@ -209,3 +209,43 @@ def test_hsdp_on_cpu_is_refused_before_torch_2_8(monkeypatch):
     cfg = train_cli.TrainConfig(batch_size=4)
     with pytest.raises(UsageError, match=r"--hsdp 2,2 on CPU needs torch >= 2.8 \(this is 2.7.1\+cpu\)"):
         train_cli.start_distributed(cfg, "hsdp", (2, 2))
+
+
+def test_a_token_beyond_the_vocabulary_in_a_later_shard_is_a_one_line_error(tmp_path, capsys):
+    from orthoptim.train import data
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    data.write_shard(shards / "a_train_000.bin", torch.arange(400) % 50)
+    data.write_shard(shards / "b_train_001.bin", torch.full((400,), 1000))
+    data.write_shard(shards / "c_val_000.bin", torch.arange(400) % 50)
+    code = _train(tmp_path, "--optimizer", "adamw", "--steps", "20", "--data", str(shards), "--no-plot",
+                  "--out", str(tmp_path / "run"))
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and "--vocab-size" in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, command):
+    target = tmp_path / "results.txt"
+    target.write_text("not a folder")
+    if command == "train":
+        code = _train(tmp_path, "--optimizer", "adamw", "--steps", "2", "--out", str(target))
+    else:
+        code = main(["bench", "--d-model", "16", "--layers", "1", "--warmup", "0", "--repeats", "1",
+                     "--optimizers", "adamw", "--quiet", "--out", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out {target} is a file" in err, err
+    assert target.read_text() == "not a folder"
+
+
+def test_a_seed_beyond_torchs_range_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:  # argparse's own exit for a bad value
+        _train(tmp_path, "--optimizer", "adamw", "--steps", "2", "--seed", str(2**70), "--out", str(tmp_path / "r"))
+    assert info.value.code == 2 and "--seed" in (err := capsys.readouterr().err) and "below 2**63" in err
+
+
+def test_a_stopped_run_says_which_step_its_val_loss_is_from(tmp_path, capsys):
+    assert _train(tmp_path, "--optimizer", "adamw", "--steps", "6", "--stop-at", "3", "--no-plot",
+                  "--out", str(tmp_path / "run")) == 0
+    assert "val loss is that of the last evaluation (adamw at step 2 of 3)" in capsys.readouterr().out

@@ -143,3 +143,26 @@ def test_too_little_data_for_the_context(tmp_path):
     ds = data.load_data(tmp_path / "tiny.txt")
     with pytest.raises(data.DataError, match="shorter --context"):
         data.check_fits(ds, 128)
+
+
+def test_an_empty_text_file_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(data.DataError, match=r"empty\.txt: the file is empty"):
+        data.load_data(tmp_path / "empty.txt")
+
+
+def test_a_folder_whose_only_file_hashes_to_validation_still_trains(tmp_path):
+    """One file in a folder: its end is held out, whatever its name's hash would send it to."""
+    name = next(f"f{i}.txt" for i in range(100) if data._path_hash(f"f{i}.txt") % data.VAL_ONE_IN == 0)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / name).write_text("some text to train on\n" * 100)
+    ds = data.load_data(tmp_path / "one")
+    assert ds.num_tokens("train") > 0 and ds.num_tokens("val") > 0
+    data.check_fits(ds, 16)
+
+
+def test_a_corpus_sample_too_small_for_both_splits_names_corpus_mb(tmp_path):
+    source = tmp_path / "src"
+    _write_tree(source, {f"m{i}.py": "x = 1\n" * 50 for i in range(20)})
+    with pytest.raises(data.DataError, match=r"--corpus-mb .* too small"):
+        data.build_corpus(source, tmp_path / "out", cap_bytes=10)

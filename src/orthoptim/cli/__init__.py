@@ -8,6 +8,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from orthoptim import __version__
 
@@ -18,6 +19,23 @@ class UsageError(Exception):
 
 class CommandError(Exception):
     """The command could not do its job (bad data, a diverged run…); one line, exit status 1."""
+
+
+def check_out_dir(path: Path, create: bool = False) -> None:
+    """Refuse an output folder ``--out`` that cannot be one, before any work; ``create``: make it now."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path} is a file, not a folder; pass a folder to write the results into")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {path}: cannot create a folder under {existing}; pass another --out")
+    if create:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out {path}: cannot create this folder ({e.strerror or e}); pass another --out") \
+                from None
 
 
 class Parser(argparse.ArgumentParser):

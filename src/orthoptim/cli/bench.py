@@ -22,7 +22,7 @@ from orthoptim.benchmark import (
     orthogonalizer_callables,
     time_steps,
 )
-from orthoptim.cli import HelpFormatter, UsageError
+from orthoptim.cli import HelpFormatter, UsageError, check_out_dir
 from orthoptim.train.loop import environment
 from orthoptim.train.results import format_table, plot_bench, plots_available, write_json, write_text
 
@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     shapes = gpt_matrix_shapes(d_model, layers, args.mlp_ratio)
     out_dir = Path(args.out or time.strftime("runs/bench-%Y%m%d-%H%M%S"))
+    check_out_dir(out_dir, create=True)  # before the benchmark, not after it
     say = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"{label}: {len(shapes)} matrices, {sum(a * b for a, b in shapes) / 1e6:.1f} M parameters, {device}, "
         f"{args.dtype}, {args.warmup} warm-up + {args.repeats} timed steps each")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orthoptim.cli import CommandError, HelpFormatter, UsageError
+from orthoptim.cli import CommandError, HelpFormatter, UsageError, check_out_dir
 from orthoptim.train import data as datamod
 from orthoptim.train.loop import (
     CPU_HSDP_MIN_TORCH,
@@ -85,6 +85,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = _non_negative_int(text)
+    if value >= 2**63:  # torch.manual_seed's range
+        raise argparse.ArgumentTypeError(f"{text} is too large; use a seed below 2**63")
     return value
 
 
@@ -226,7 +233,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="dion3, dion2 under --fsdp/--hsdp: 'global' picks the rows one process would, so the "
                           "result does not depend on the layout; 'local' picks the top rows of each shard and "
                           f"sends fewer bytes; no effect on one process or DDP (default: {d.selection_scope})")
-    opt.add_argument("--seed", type=int, metavar="S", help=f"seed of the weights and batches (default: {d.seed})")
+    opt.add_argument("--seed", type=_seed, metavar="S", help=f"seed of the weights and batches (default: {d.seed})")
 
     run_group = p.add_argument_group("evaluation, checkpoints, hardware")
     run_group.add_argument("--eval-every", type=_positive_int, metavar="N",
@@ -346,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
         if any(checkpoint_path(out_dir, n).exists() for n in OPTIMIZERS):
             raise UsageError(f"--out {out_dir} already holds a run; continue it with --resume {out_dir} "
                              "or choose another --out")
+        check_out_dir(out_dir)  # made by rank 0 once the layout is known to work (compare)
     stop_at = given.get("stop_at")
     if stop_at is not None and stop_at >= cfg.steps:
         raise UsageError(f"--stop-at {stop_at} must be smaller than --steps {cfg.steps}")
@@ -420,7 +428,10 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
               "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1")),
                               "parallel": layout}}
     if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise CommandError(f"--out {out_dir}: cannot create this folder ({e.strerror or e})") from None
         write_json(out_dir / "config.json", header)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"data: {dataset.description}")
@@ -437,6 +448,8 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
             what = getattr(e, "what", None)
             message = f"{what}. Lower --lr or --scalar-lr, or set --clip" if what else str(e)
             raise CommandError(f"{name}: {message}") from None
+        except datamod.DataError as e:  # e.g. a later shard holds a token beyond the vocabulary
+            raise CommandError(str(e)) from None
         if rank == 0:
             write_results(out_dir, header, runs, started)
     if rank != 0:
@@ -480,5 +493,8 @@ def summary_table(runs: dict[str, dict]) -> str:
     notes = [f"val loss: nats/token at the last step; peak MB: {', '.join(sorted(kinds))}; train time excludes "
              "evaluation; opt ms/step and opt share (of the whole step) are medians over steps"]
     if not all(r["finished"] for r in runs.values()):
-        notes.append("some runs stopped early (--stop-at): numbers are at the step they reached")
+        stale = ", ".join(f"{name} at step {r['history']['val_step'][-1]} of {r['steps']}" for name, r in runs.items()
+                          if r["history"]["val_step"] and r["history"]["val_step"][-1] != r["steps"])
+        notes.append("some runs stopped early (--stop-at): numbers are at the step they reached"
+                     + (f"; val loss is that of the last evaluation ({stale})" if stale else ""))
     return format_table(head, rows) + "\n" + "\n".join(notes)

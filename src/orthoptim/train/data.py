@@ -176,6 +176,9 @@ def build_corpus(source: Path, out_dir: Path, cap_bytes: int = CORPUS_CAP_BYTES)
     if not files:
         raise DataError(f"no .py files under {source} to build the built-in corpus from; pass --data PATH")
     train_files, val_files = split_files(files, source, cap_bytes)
+    if not train_files or not val_files:
+        raise DataError(f"--corpus-mb {cap_bytes / 2**20:g} is too small: the built-in corpus sample holds "
+                        f"{len(train_files)} train and {len(val_files)} validation files; pass a larger --corpus-mb")
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"corpus_version": CORPUS_VERSION, "source": str(source), "python": sys.version.split()[0],
             "cap_bytes": cap_bytes, "files": {"train": len(train_files), "val": len(val_files)}}
@@ -227,13 +230,16 @@ def load_data(path: str | Path, val_fraction: float = 0.05) -> Dataset:
             raise DataError(f"--data {path}: the folder holds no .bin shards and no text files "
                             f"({', '.join(sorted(TEXT_SUFFIXES))})")
         train_files, val_files = split_files(files, path, None)
-        if not val_files:
-            return _from_text(_concat_bytes(train_files), val_fraction, f"1 text file in {path}")
+        if not val_files or not train_files:  # one file: hold out its end instead
+            return _from_text(_concat_bytes(train_files + val_files), val_fraction,
+                              f"{len(files)} text file(s) in {path}")
         return Dataset([_bytes_tensor(_concat_bytes(train_files))], [_bytes_tensor(_concat_bytes(val_files))],
                        256, 1.0, f"text folder {path}: {len(train_files)} train / {len(val_files)} val files")
     if path.suffix == ".bin":
         return _from_shards([path], val_fraction, str(path))
     data = path.read_bytes()
+    if not data:
+        raise DataError(f"--data {path}: the file is empty")
     if b"\0" in data[:4096]:
         raise DataError(f"--data {path}: looks binary (NUL bytes) and is not a .bin shard; pass a text file, "
                         "a folder of text files, or .bin token shards")

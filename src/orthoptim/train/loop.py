@@ -461,7 +461,7 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
             loss /= world_size
         loss_value = loss.item()
         if not math.isfinite(loss_value):
-            raise FloatingPointError(f"{name}: training loss became {loss_value} at step {step}; "
+            raise FloatingPointError(f"training loss became {loss_value} at step {step}; "
                                      f"lower the learning rate (--lr, now {cfg.lr_for(name)})")
         step += 1
         history["step"].append(step)
