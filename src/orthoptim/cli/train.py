@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         if any(checkpoint_path(out_dir, n).exists() for n in OPTIMIZERS):
             raise UsageError(f"--out {out_dir} already holds a run; continue it with --resume {out_dir} "
                              "or choose another --out")
-        check_out_dir(out_dir)  # made by rank 0 once the layout is known to work (compare)
+        check_out_dir(out_dir)  # created by rank 0 in compare, once the layout is known to work
     stop_at = given.get("stop_at")
     if stop_at is not None and stop_at >= cfg.steps:
         raise UsageError(f"--stop-at {stop_at} must be smaller than --steps {cfg.steps}")
@@ -428,10 +428,7 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
               "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1")),
                               "parallel": layout}}
     if rank == 0:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CommandError(f"--out {out_dir}: cannot create this folder ({e.strerror or e})") from None
+        check_out_dir(out_dir, create=True)
         write_json(out_dir / "config.json", header)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"data: {dataset.description}")

@@ -145,15 +145,20 @@ class StateKeeping:
                 f"needs {needs} under the group's options now ({shown}); these options fix the shape of the "
                 "state, so keep them as they were when the state was made, or start from a fresh optimizer")
 
-    def _check_state_shapes(self, p: Tensor, group: dict[str, Any]) -> None:
-        """Refuse existing state of ``p`` whose shape ``group``'s options (edited since) no longer give."""
-        state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
-        if not state:
-            return
+    def _misshapen_state(self, p: Tensor, group: dict[str, Any],
+                         state: dict[str, Any]) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+        """The first tensor of ``state`` whose shape ``group`` does not give ``p``: (key, has, needs)."""
         for key, shape in self._expected_state_shapes(p, group).items():
             value = state.get(key)
             if isinstance(value, Tensor) and tuple(value.shape) != shape and not (key == "step" and value.numel() == 1):
-                raise ValueError(self._state_shape_error(p, group, key, tuple(value.shape), shape))
+                return key, tuple(value.shape), shape
+        return None
+
+    def _check_state_shapes(self, p: Tensor, group: dict[str, Any]) -> None:
+        """Refuse existing state of ``p`` whose shape ``group``'s options (edited since) no longer give."""
+        state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
+        if state and (bad := self._misshapen_state(p, group, state)) is not None:
+            raise ValueError(self._state_shape_error(p, group, *bad))
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
@@ -173,16 +178,14 @@ class StateKeeping:
             for i, p in zip(saved["params"], mine["params"]):
                 label = self.param_name(p)
                 self._check_param(p, merged, label)
-                state = saved_state.get(i, {})
-                for key, shape in self._expected_state_shapes(p, merged).items():
-                    value = state.get(key)
-                    if isinstance(value, Tensor) and tuple(value.shape) != shape and not (key == "step" and
-                                                                                          value.numel() == 1):
-                        raise ValueError(
-                            f"parameter {label}: the loaded state {key!r} has shape {tuple(value.shape)} but "
-                            f"{merged['algorithm']} needs {shape} for this parameter of shape {tuple(p.shape)}; "
-                            "the state dict was saved for other parameters (or other group options) than "
-                            "this optimizer's, in this order")
+                bad = self._misshapen_state(p, merged, saved_state.get(i, {}))
+                if bad is not None:
+                    key, has, needs = bad
+                    raise ValueError(
+                        f"parameter {label}: the loaded state {key!r} has shape {has} but "
+                        f"{merged['algorithm']} needs {needs} for this parameter of shape {tuple(p.shape)}; "
+                        "the state dict was saved for other parameters (or other group options) than "
+                        "this optimizer's, in this order")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._check_loadable(state_dict)
