@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# Newer torch renamed all_gather_into_tensor (same arguments); use whichever this torch has.
+# Newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (same arguments) and warns on
+# the old names; use whichever this torch has.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass

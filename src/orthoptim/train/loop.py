@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import orthoptim
+from orthoptim.distributed.comm import reduce_scatter_single
 from orthoptim.kernels import cpu_dtype
 from orthoptim.train.data import Dataset
 from orthoptim.train.model import GPT, GPTConfig
@@ -195,7 +196,7 @@ def fully_shard_options(mesh: Any) -> dict[str, Any]:
         return {}
     group = mesh.get_group(mesh.ndim - 1)
     averaged = torch.empty(1)
-    dist.reduce_scatter_tensor(averaged, torch.ones(dist.get_world_size(group)), op=dist.ReduceOp.AVG, group=group)
+    reduce_scatter_single(averaged, torch.ones(dist.get_world_size(group)), op=dist.ReduceOp.AVG, group=group)
     return {} if averaged.item() == 1.0 else fp64_reduce_options()
 
 
