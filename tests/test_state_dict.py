@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import re
@@ -414,3 +415,38 @@ def test_keys_missing_from_an_older_checkpoint_keep_their_values():
     assert target.param_groups[0]["qr_method"] == "cholesky_qr"
     params[0].grad = torch.randn_like(params[0])
     target.step()
+
+
+def _user_polar(batch: torch.Tensor) -> torch.Tensor:
+    """A user's orthogonalizer: the exact polar factor."""
+    return orthoptim.svd_polar(batch)
+
+
+@pytest.mark.parametrize("orthogonalizer", [orthoptim.svd_polar, _user_polar,
+                                            functools.partial(orthoptim.newton_schulz, coefficients="keller_jordan")])
+def test_a_callable_orthogonalizer_is_saved_by_name_and_kept_at_load(orthogonalizer):
+    """A callable in param_groups made torch.load(weights_only=True), torch's default, refuse the file."""
+    model = make_model()
+    groups = orthoptim.param_groups(model)
+    opt = orthoptim.Muon(groups, lr=0.02, orthogonalizer=orthogonalizer)
+    run(model, opt, range(2))
+    saved = roundtrip(opt.state_dict())
+    assert saved["param_groups"][0]["orthogonalizer"].startswith("callable:")
+    model2 = fresh_copy(model)
+    opt2 = orthoptim.Muon(orthoptim.param_groups(model2), lr=0.02, orthogonalizer=orthogonalizer)
+    opt2.load_state_dict(saved)
+    kept = opt2.param_groups[0]["orthogonalizer"]  # torch.optim deep-copies the loaded groups (a partial too)
+    assert kept is orthogonalizer or (kept.func is orthogonalizer.func and kept.keywords == orthogonalizer.keywords)
+    run(model, opt, range(2, 4))
+    run(model2, opt2, range(2, 4))
+    assert same_params(model, model2)
+
+
+def test_a_saved_callable_loaded_where_the_group_has_another_orthogonalizer_warns():
+    model = make_model()
+    opt = orthoptim.Muon(orthoptim.param_groups(model), lr=0.02, orthogonalizer=_user_polar)
+    run(model, opt, range(1))
+    opt2 = orthoptim.Muon(orthoptim.param_groups(fresh_copy(model)), lr=0.02, orthogonalizer="newton_schulz")
+    with pytest.warns(UserWarning, match=r"param group 0 .*_user_polar .*orthogonalizer='newton_schulz'"):
+        opt2.load_state_dict(roundtrip(opt.state_dict()))
+    assert opt2.param_groups[0]["orthogonalizer"] == "newton_schulz"

@@ -727,3 +727,9 @@ def test_a_channels_last_conv_weight_is_refused_with_the_conversion_to_make():
         orthoptim.Dion3(orthoptim.param_groups(conv))
     conv = conv.to(memory_format=torch.contiguous_format)  # the conversion the message names works
     orthoptim.Dion3(orthoptim.param_groups(conv))
+
+
+def test_a_set_of_params_is_refused_as_torch_optim_refuses_it():
+    """A set's order changes between runs, and with it the state dict's order and Dion's initial Q."""
+    with raises_naming(TypeError, "param group 0", "set", "list"):
+        orthoptim.Muon([{"params": {nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))}}])

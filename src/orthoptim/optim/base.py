@@ -121,6 +121,20 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._checked_options: dict[Tensor, tuple[Any, ...]] = {}
         super().__init__(params, full)
 
+    # ----------------------------------------------------------------------------- copies
+    def __getstate__(self) -> dict[str, Any]:
+        """For ``copy.deepcopy`` and ``pickle``: torch.optim keeps only defaults, state and param_groups,
+        which would leave a copy without the names, positions (Dion's Q seeds) and flags its step reads.
+        Hooks are dropped, as torch.optim drops them."""
+        for option, group in (("distributed_mesh", self._process_group), ("replicate_mesh", self._replicate_group),
+                              ("inner_shard_mesh", self._inner_group)):
+            if group is not None:
+                raise TypeError(
+                    f"{type(self).__name__} was built with {option}=..., whose process group cannot be copied or "
+                    "pickled; save optimizer.state_dict() and load it into an optimizer built where it is needed")
+        return {key: value for key, value in self.__dict__.items()
+                if not key.startswith("_optimizer_") or not key.endswith("_hooks")}
+
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
@@ -142,6 +156,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             )
         self._check_capturable_options(merged, f"param group {index}")
         raw = param_group["params"]
+        if isinstance(raw, set):  # as torch.optim: a set's order, and so the state dict's, changes between runs
+            raise TypeError(f"param group {index}: params is a set, whose order changes between runs (and with it "
+                            "the order of the state dict and Dion's initial factors); pass a list")
         raw = [raw] if isinstance(raw, Tensor) else list(raw)
         named = [(p if isinstance(p, tuple) else (None, p)) for p in raw]
         offset = sum(len(g["params"]) for g in self.param_groups)
@@ -239,11 +256,17 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         )
 
     # ----------------------------------------------------------------------------- the step
+    # torch.compile runs the step eagerly (a graph break): traced by dynamo, the step's cached
+    # dtype/kernel choices and host reads of check results came out wrong (one matrix's update applied
+    # to another, silently). The step's own work is already megabatched and fused; launch overhead on a
+    # GPU is what capturable=True and CUDA graphs remove.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step. Checks every group's options and every gradient first; on a
         bad option it raises, on a non-finite gradient it raises or skips that parameter, per
-        ``nonfinite``; either way before any parameter or state has changed."""
+        ``nonfinite``; either way before any parameter or state has changed. Under ``torch.compile`` the
+        step runs eagerly."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

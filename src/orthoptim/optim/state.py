@@ -10,7 +10,9 @@ views and layouts (``_view``, ``_layout``) and its parameter check (``_check_par
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,11 +20,23 @@ from torch import Tensor
 
 from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
 from orthoptim.optim.matrix_view import MatrixView
-from orthoptim.optim.validation import validate_group
+from orthoptim.optim.validation import READS, validate_group
 from orthoptim.orthogonalize import normalize_columns
 
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
 DION_Q_SEED = 20250405
+
+
+# How state_dict() writes a callable orthogonalizer: code cannot be saved in a checkpoint that
+# torch.load(weights_only=True) reads, so the name stands in for it, and loading keeps the callable
+# of the optimizer it is loaded into.
+CALLABLE_MARK = "callable:"
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    while isinstance(fn, partial):
+        fn = fn.func
+    return f"{CALLABLE_MARK}{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 def row_state_dtype(p: Tensor) -> torch.dtype:
@@ -187,7 +201,39 @@ class StateKeeping:
                         "the state dict was saved for other parameters (or other group options) than "
                         "this optimizer's, in this order")
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict, with each callable orthogonalizer written as its name (see
+        ``CALLABLE_MARK``), so that ``torch.load(weights_only=True)`` reads it."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            if callable(group.get("orthogonalizer")):
+                group["orthogonalizer"] = _callable_name(group["orthogonalizer"])
+        return state_dict
+
+    def _with_own_callables(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each group's saved callable name replaced by this optimizer's orthogonalizer
+        for that group (a warning when that is not a callable of the same name, for a group whose algorithm
+        reads it)."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            return state_dict  # torch.optim's own check names the mismatch
+        groups = []
+        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
+            name = saved.get("orthogonalizer") if isinstance(saved, dict) else None
+            if isinstance(name, str) and name.startswith(CALLABLE_MARK):
+                own = mine["orthogonalizer"]
+                reads = "orthogonalizer" in READS.get(saved.get("algorithm", mine["algorithm"]), ())
+                if reads and (not callable(own) or _callable_name(own) != name):
+                    warnings.warn(
+                        f"param group {index} of the loaded state dict was saved with the orthogonalizer "
+                        f"{name[len(CALLABLE_MARK):]} (a callable, which a state dict cannot hold); the group "
+                        f"keeps this optimizer's orthogonalizer={own!r}", stacklevel=3)
+                saved = {**saved, "orthogonalizer": own}
+            groups.append(saved)
+        return {**state_dict, "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = self._with_own_callables(state_dict)
         self._check_loadable(state_dict)
         self._checked_options.clear()  # the next step checks the loaded options and state afresh
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
