@@ -733,3 +733,9 @@ def test_a_set_of_params_is_refused_as_torch_optim_refuses_it():
     """A set's order changes between runs, and with it the state dict's order and Dion's initial Q."""
     with raises_naming(TypeError, "param group 0", "set", "list"):
         orthoptim.Muon([{"params": {nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))}}])
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True, "100"])
+def test_a_bad_replica_sync_every_is_refused_by_name(value):
+    with raises_naming(ValueError, f"replica_sync_every={value!r}", "positive number of steps", "None"):
+        orthoptim.Dion([nn.Parameter(torch.randn(4, 4))], replica_sync_every=value)

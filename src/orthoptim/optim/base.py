@@ -31,6 +31,7 @@ from orthoptim.distributed.gather import Gathered
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
 from orthoptim.distributed.row_exchange import RowShardedPlan
 from orthoptim.kernels import cpu_dtype
+from orthoptim.optim.capture import capturing
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError
 from orthoptim.optim.sharding import ShardedParameters
@@ -291,6 +292,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 self._scalar_step(group, params)
         if any(users_own(g["orthogonalizer"]) for g in self.param_groups):
             self._raise_orthogonalizer_problems()
+        if self._replicate_group is not None and not capturing():  # a captured sync would replay every step
+            self._steps_since_replica_sync += 1
+            if self._replica_sync_every is not None and self._steps_since_replica_sync >= self._replica_sync_every:
+                self.synchronize_replicas()
         return loss
 
     def _stack_dtype(self, group: dict[str, Any], layout: str, momentum: Tensor) -> torch.dtype | None:

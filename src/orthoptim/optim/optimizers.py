@@ -142,7 +142,11 @@ class Dion(OrthonormalOptimizer):
     A matrix sharded twice along the same dim is refused. ``replicate_mesh``: data parallelism
     without DDP — do not all-reduce gradients yourself: Dion matrices all-reduce ``B Q`` and ``Bᵀ P``
     (compressed sync, the same result as averaging gradients first) and this optimizer averages
-    every other gradient. ``distributed_mesh``: the other optimizers' name for the same thing as
+    every other gradient. Each rank then keeps its own momentum, whose mean is the synchronized one;
+    every ``replica_sync_every`` steps (and in ``state_dict()``, which is then a collective) the
+    momenta are set to their mean, one all-reduce, which changes no update but keeps what each rank
+    holds beyond the mean (a sum of its gradients' deviations, never decayed) from swamping bf16
+    momenta. ``distributed_mesh``: the other optimizers' name for the same thing as
     ``outer_shard_mesh``; under DDP (replicated parameters, a ``ProcessGroup``) each rank computes
     the factors of its share of every megabatch and one all-gather returns the rest.
     """
@@ -165,8 +169,13 @@ class Dion(OrthonormalOptimizer):
         outer_shard_mesh: Any = None,
         inner_shard_mesh: Any = None,
         distributed_mesh: Any = None,
+        replica_sync_every: int | None = 100,
     ) -> None:
         resolve_process_group(outer_shard_mesh, "outer_shard_mesh")  # a clear error for a wrong type
+        if replica_sync_every is not None and (isinstance(replica_sync_every, bool) or
+                                               not isinstance(replica_sync_every, int) or replica_sync_every < 1):
+            raise ValueError(f"replica_sync_every={replica_sync_every!r} must be a positive number of steps, or None "
+                             "(average the replicas' momenta only when a state dict is taken)")
         if distributed_mesh is not None:
             if outer_shard_mesh is not None:
                 raise ValueError("pass either distributed_mesh (DDP: a ProcessGroup) or outer_shard_mesh (FSDP2), "
@@ -178,3 +187,4 @@ class Dion(OrthonormalOptimizer):
             flatten=flatten, nonfinite=nonfinite,
         ), distributed_mesh=outer_shard_mesh, replicate_mesh=replicate_mesh, inner_shard_mesh=inner_shard_mesh,
             capturable=capturable)
+        self._replica_sync_every = replica_sync_every

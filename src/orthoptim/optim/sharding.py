@@ -1,6 +1,7 @@
 """Sharded parameters (DTensors): which layouts the step runs exactly, how each parameter is treated
 (``_layout``), and the collectives that belong to the optimizer rather than to one megabatch
-(gradient averaging over ``replicate_mesh``, Dion's right factors of expert shards).
+(gradient averaging and the momentum sync over ``replicate_mesh``, Dion's right factors of expert
+shards).
 
 ``ShardedParameters`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's meshes (``_process_group``, ``_replicate_group``, ``_inner_group``), ``state``,
@@ -36,6 +37,10 @@ class ShardedParameters:
         # whether its one sharded mesh dim is distributed_mesh.
         self._factor_specs: dict[Tensor, FactorSharding] = {}
         self._over_distributed_mesh: dict[Tensor, bool] = {}
+        # replicate_mesh: eager steps since the replicas' Dion momenta were last averaged, and how many
+        # are allowed (None: only when a state dict is taken); see synchronize_replicas.
+        self._steps_since_replica_sync = 0
+        self._replica_sync_every: int | None = None
 
     def _check_blocks(self, params: list[Any], labels: list[str], index: int) -> None:
         """Every sharded DTensor must hold torch.chunk's block (FSDP2's and distribute_tensor's split):
@@ -192,11 +197,19 @@ class ShardedParameters:
     def _average_gradients(self, work: list[tuple[dict, list[Tensor]]]) -> None:
         """Average over ``replicate_mesh`` every gradient that Dion's low-rank sync does not cover,
         one all-reduce per dtype (the Dion matrices exchange only P and R, in their rule)."""
-        grads = [local_tensor(p.grad) for group, ps in work if group["algorithm"] != "dion" for p in ps]
+        self._mean_over_replicas([local_tensor(p.grad) for group, ps in work if group["algorithm"] != "dion"
+                                  for p in ps])
+
+    def _mean_over_replicas(self, tensors: list[Tensor], *, in_fp32: bool = False) -> None:
+        """Average ``tensors`` in place over ``replicate_mesh``, one all-reduce per dtype and device;
+        ``in_fp32``: bf16/fp16 ones are summed in fp32 and rounded once (the momentum sync: exact
+        enough to be invisible, and rare enough for the bytes not to matter)."""
         world = dist.get_world_size(self._replicate_group)
-        for batch in megabatches(grads, key=lambda g: (g.dtype, g.device)):
-            flat = torch.cat([g.reshape(-1) for g in batch])
-            # fp16 is divided first: the sum of finite fp16 gradients can overflow (65504), their mean not.
+        for batch in megabatches(tensors, key=lambda t: (t.dtype, t.device)):
+            flat = torch.cat([t.reshape(-1) for t in batch])
+            if in_fp32:
+                flat = flat.to(torch.promote_types(flat.dtype, torch.float32))
+            # fp16 is divided first: the sum of finite fp16 values can overflow (65504), their mean not.
             narrow = flat.dtype == torch.float16
             if narrow:
                 flat /= world
@@ -205,4 +218,20 @@ class ShardedParameters:
                 self.comm_stats.record("all_reduce", flat.numel() * flat.element_size())
             if not narrow:
                 flat /= world
-            torch._foreach_copy_(batch, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in batch]), batch)])
+            torch._foreach_copy_(batch, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in batch]), batch)])
+
+    def synchronize_replicas(self) -> None:
+        """With ``replicate_mesh`` (call it on every rank; nothing to do without one): set each rank's
+        Dion momentum to the mean over the replicas, one all-reduce.
+
+        Under compressed sync each rank keeps its own momentum M_i; the steps depend only on their mean
+        (P and R are means of products linear in M_i), so replacing every M_i by the mean changes no
+        later update. It bounds what each M_i holds beyond the mean (the sum of its rank's gradient
+        deviations since the last sync, which no step decays): ``state_dict()`` calls it, so that a
+        checkpoint (saved from any one rank, as ``torch.distributed.checkpoint`` does for replicated
+        state) holds the mean, and ``step()`` every ``replica_sync_every`` steps (Dion's option)."""
+        if self._replicate_group is None:
+            return
+        self._mean_over_replicas([local_tensor(self.state[p]["momentum"]) for g in self.param_groups
+                                  if g["algorithm"] == "dion" for p in g["params"]], in_fp32=True)
+        self._steps_since_replica_sync = 0

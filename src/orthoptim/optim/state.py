@@ -4,7 +4,8 @@ distributed checkpoints load), and checked when a state dict is loaded.
 ``StateKeeping`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's ``state``, ``param_groups``, ``capturable``, ``_positions``, ``param_name``, its matrix
 views and layouts (``_view``, ``_layout``) and its parameter check (``_check_param``), and clears
-``_checked_options`` (the step-time checks' memory) when a state dict is loaded.
+``_checked_options`` (the step-time checks' memory) when a state dict is loaded, and averages Dion's
+momenta over ``replicate_mesh`` when one is taken (``ShardedParameters.synchronize_replicas``).
 """
 
 from __future__ import annotations
@@ -203,7 +204,10 @@ class StateKeeping:
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict, with each callable orthogonalizer written as its name (see
-        ``CALLABLE_MARK``), so that ``torch.load(weights_only=True)`` reads it."""
+        ``CALLABLE_MARK``), so that ``torch.load(weights_only=True)`` reads it. With ``replicate_mesh``
+        it is a collective (call it on every rank): Dion's momenta are averaged over the replicas first
+        (``synchronize_replicas``), so that the state of any one rank is the whole state."""
+        self.synchronize_replicas()
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
             if callable(group.get("orthogonalizer")):
@@ -236,6 +240,7 @@ class StateKeeping:
         state_dict = self._with_own_callables(state_dict)
         self._check_loadable(state_dict)
         self._checked_options.clear()  # the next step checks the loaded options and state afresh
+        self._steps_since_replica_sync = 0  # every replica loads the same momenta
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
         # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
