@@ -656,3 +656,30 @@ def test_blocks_that_are_not_torch_chunk_shards_are_refused_at_construction(worl
             else:
                 shape = (mine, 6) if dim == 0 else (6, mine)
                 assert f"holds a block of shape {shape}" in result[dim] and "torch.chunk" in result[dim], result
+
+
+def _tall_dion2_global(rank: int, world: int) -> list[str]:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    tall = nn.Parameter(distribute_tensor(torch.randn(40, 16), mesh, [Shard(0)]))
+    wide = nn.Parameter(distribute_tensor(torch.randn(16, 40), mesh, [Shard(0)]))
+    messages = []
+    for scope in ("global", "local"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            orthoptim.Dion2([("up.weight", tall), ("down.weight", wide)], selection_scope=scope,
+                            distributed_mesh=mesh)
+        messages.append(" | ".join(str(w.message) for w in caught))
+    return messages
+
+
+def test_global_selection_of_tall_row_sharded_dion2_matrices_is_said_not_to_be_the_one_process_one():
+    """One process selects a tall matrix's columns, row-sharded Dion2 its rows: 'global' cannot equal it."""
+    for global_scope, local_scope in run_distributed(_tall_dion2_global, 2, timeout=60):
+        assert "up.weight" in global_scope and "down.weight" not in global_scope, global_scope
+        assert "selects rows" in global_scope and "columns" in global_scope, global_scope
+        assert local_scope == "", local_scope

@@ -172,6 +172,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._check_blocks([p for _, p in named], labels, index)
         for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)
+        self._warn_rows_for_tall(merged, [(p, label) for (_, p), label in zip(named, labels)], index)
         if self.capturable:  # before the group is added: a refused group must leave no trace
             self._check_one_device([p for _, p in named], index)
         super().add_param_group({**param_group, "params": raw})
@@ -186,6 +187,20 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
             self._init_state(p, group)
+
+    def _warn_rows_for_tall(self, group: dict[str, Any], params: list[tuple[Any, str]], index: int) -> None:
+        """Dion2 on one process selects the columns of a tall matrix; row-sharded (FSDP2), it selects rows
+        (DESIGN: "unless sharding decides"), so selection_scope='global' is not the one-process result
+        there: said once per group, naming the matrices."""
+        if group["algorithm"] != "dion2" or group["selection_scope"] != "global":
+            return
+        tall = [label for p, label in params if isinstance(p, DTensor) and p.ndim >= 2 and
+                self._layout(p, group) == "row_sharded" and p.shape[0] > math.prod(p.shape[1:])]
+        if tall:
+            warnings.warn(
+                f"param group {index}: Dion2 selects rows of the row-sharded matrices {tall}, which are taller than "
+                "wide, where one process selects columns; selection_scope='global' gives the one-process result "
+                "only for matrices no taller than wide (Dion3 always selects rows, in both cases)", stacklevel=4)
 
     def _check_capturable_options(self, group: dict[str, Any], where: str) -> None:
         """Options that need the host during a step, which capturable=True rules out."""
