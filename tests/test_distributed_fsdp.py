@@ -683,3 +683,48 @@ def test_global_selection_of_tall_row_sharded_dion2_matrices_is_said_not_to_be_t
         assert "up.weight" in global_scope and "down.weight" not in global_scope, global_scope
         assert "selects rows" in global_scope and "columns" in global_scope, global_scope
         assert local_scope == "", local_scope
+
+
+def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
+    """Each case builds the optimizer with one option that differs on rank 1: the step raises on every
+    rank, naming the parameter, before anything changes (it used to abort gloo or hang)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    odd = rank == 1
+    cases = {
+        "fraction": lambda p: orthoptim.Dion3([("w", p)], fraction=0.5 if odd else 0.25, distributed_mesh=mesh),
+        "selection_scope": lambda p: orthoptim.Dion3([("w", p)], selection_scope="local" if odd else "global",
+                                                     distributed_mesh=mesh),
+        "rank_fraction": lambda p: orthoptim.Dion([("w", p)], rank_fraction=0.5 if odd else 0.25,
+                                                  outer_shard_mesh=mesh),
+        "algorithm": lambda p: orthoptim.Dion3([{"params": [("w", p)], "algorithm": "muon" if odd else "dion3"}],
+                                               distributed_mesh=mesh),
+    }
+    out = []
+    for name, build in cases.items():
+        gen = torch.Generator().manual_seed(0)
+        p = nn.Parameter(distribute_tensor(torch.randn(16, 12, generator=gen), mesh, [Shard(0)]))
+        opt = build(p)
+        before = p.full_tensor().clone()
+        p.grad = distribute_tensor(torch.randn(16, 12, generator=gen), mesh, [Shard(0)])
+        try:
+            opt.step()
+            message = "no error"
+        except ValueError as e:
+            message = str(e)
+        out.append((name, message, torch.equal(p.full_tensor(), before)))
+    # The same options built separately on each rank are not "different".
+    p = nn.Parameter(distribute_tensor(torch.randn(16, 12), mesh, [Shard(0)]))
+    opt = orthoptim.Dion3([{"params": [("w", p)], "fraction": 0.25}], distributed_mesh=mesh)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    return out
+
+
+def test_options_that_differ_between_ranks_are_refused_on_every_rank():
+    for per_rank in run_distributed(_options_by_rank, 2, timeout=90):
+        for name, message, unchanged in per_rank:
+            assert "['w']" in message and "differ between ranks" in message, (name, message)
+            assert unchanged, name

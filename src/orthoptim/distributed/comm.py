@@ -12,7 +12,12 @@ from torch import Tensor
 # Newer torch renamed all_gather_into_tensor and reduce_scatter_tensor (same arguments) and warns on
 # the old names; use whichever this torch has.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def reduce_scatter_single(output: Tensor, input: Tensor, **kwargs) -> object:
+    """torch.distributed's reduce-scatter into one tensor, looked up at each call (as FSDP2 looks it up,
+    so that a wrapped one is the one called)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, **kwargs)
 
 
 @dataclass

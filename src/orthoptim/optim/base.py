@@ -90,6 +90,11 @@ class _Matrix:
     name: str = ""  # the parameter's, for errors
 
 
+# torch.compiler.disable, but importing torch._dynamo (and triton with it) at the first call rather than
+# when orthoptim is imported; torch.optim marks its own methods this way.
+_eager_under_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
+
+
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
     return lambda *args: fn(*args)[0]
 
@@ -276,7 +281,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
     # dtype/kernel choices and host reads of check results came out wrong (one matrix's update applied
     # to another, silently). The step's own work is already megabatched and fused; launch overhead on a
     # GPU is what capturable=True and CUDA graphs remove.
-    @torch.compiler.disable
+    @_eager_under_compile
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step. Checks every group's options and every gradient first; on a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import zlib
 from functools import reduce
 from typing import Any
 
@@ -21,6 +22,15 @@ from torch import Tensor
 from orthoptim.distributed.dtensor import DTensor, Replicate, local_tensor
 from orthoptim.optim.capture import capturing
 from orthoptim.optim.validation import MATRIX_ALGORITHMS
+
+
+def _described(value: Any) -> str:
+    """A group option as the checksum reads it: a tensor (lr) by nothing, a callable by its name."""
+    if isinstance(value, Tensor):
+        return "tensor"
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    return repr(value)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -37,13 +47,15 @@ class GradientChecks:
         self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         # Whether a parameter is sharded over a mesh dimension none of the optimizer's meshes covers.
         self._beyond_meshes: dict[Tensor, bool] = {}
+        self._checksums: tuple[tuple, Tensor] | None = None  # see _options_checksum
 
     def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],
                 verdict_groups: list[dist.ProcessGroup]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
         on by every rank: is its gradient finite, and does this step's momentum fit its dtype (see
-        ``_momentum_fits``)? Distributed, also one bool per parameter of the optimizer: does it have a
-        gradient on some ranks and none on others (else None). ``everyone``, ``verdict_groups``: see
+        ``_momentum_fits``)? Distributed, also two bools per parameter of the optimizer ([2, N], else
+        None): does it have a gradient on some ranks and none on others, do its group's options differ
+        between ranks. ``everyone``, ``verdict_groups``: see
         ``_verdict_scope``."""
         for p in params:
             if p.grad.is_sparse:
@@ -86,20 +98,43 @@ class GradientChecks:
         # Sharded or unsynchronized gradients differ per rank: agree on the verdict, or ranks would
         # diverge (and hang in the next collective). The table covers every parameter of the
         # optimizer, so that it has one size on every rank even if the ranks disagree on which
-        # parameters have a gradient: rows are bad gradient, bad momentum, has a gradient, has none.
+        # parameters have a gradient: rows are bad gradient, bad momentum, has a gradient, has none,
+        # then the two bytes of a checksum of the parameter's group options and their complements
+        # (under MAX, a byte and its complement sum to 255 only if every rank had the same byte).
         index = self._positions_among(params, everyone, device)
         # index_copy_/index_fill_ rather than item assignment: a Python value assigned through an index
         # becomes a fresh host tensor, a copy a CUDA graph cannot hold.
-        table = torch.zeros(4, len(everyone), dtype=torch.uint8, device=device)
+        table = torch.zeros(8, len(everyone), dtype=torch.uint8, device=device)
         table[0].index_copy_(0, index, (~finite).to(torch.uint8))
         table[1].index_copy_(0, index, (~fits).to(torch.uint8))
         table[2].index_fill_(0, index, 1)
         table[3].fill_(1).index_fill_(0, index, 0)
+        table[4:].copy_(self._options_checksum(everyone, device))
         for group in verdict_groups:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
             if self.comm_stats is not None:
                 self.comm_stats.record("all_reduce", table.numel() * table.element_size())
-        return table[0, index] == 0, table[1, index] == 0, (table[2] & table[3]).bool()
+        checksum = table[4:].to(torch.int16)
+        differs = (checksum[:2] + checksum[2:] != 255).any(0)
+        return table[0, index] == 0, table[1, index] == 0, torch.stack([(table[2] & table[3]).bool(), differs])
+
+    def _options_checksum(self, everyone: list[Tensor], device: torch.device) -> Tensor:
+        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its group's options (all of
+        them but a tensor lr, whose value would need a read) and its complement. Ranks
+        built with different options (a fraction, a rank, a selection scope) would otherwise exchange
+        messages of different sizes: gloo aborts the process, or the ranks wait for each other forever.
+        Rebuilt only when the options change (a capturable step makes no host-to-device copy)."""
+        described = tuple(tuple(sorted((key, _described(value)) for key, value in g.items()
+                                       if key not in ("params", "param_names", "initial_lr")))
+                          for g in self.param_groups)
+        key = (tuple(map(id, everyone)), described)
+        if self._checksums is None or self._checksums[0] != key:
+            sums = [zlib.crc32(repr(d).encode()) & 0xFFFF for g, d in zip(self.param_groups, described)
+                    for _ in g["params"]]
+            rows = [[s >> 8 for s in sums], [s & 0xFF for s in sums]]
+            rows += [[255 - b for b in row] for row in rows]
+            self._checksums = (key, torch.tensor(rows, dtype=torch.uint8, device=device))
+        return self._checksums[1]
 
     def _positions_among(self, params: list[Tensor], everyone: list[Tensor], device: torch.device) -> Tensor:
         """Where ``params`` sit in ``everyone``, as a device index: built once per set of parameters
@@ -114,7 +149,14 @@ class GradientChecks:
         return self._verdict_index[key]
 
     def _raise_if_mixed(self, mixed: Tensor) -> None:
-        names = [self.param_name(p) for p, m in zip(self._all_params(), mixed.tolist()) if m]
+        """``mixed``: [2, parameters], gradients on some ranks only, and options that differ by rank."""
+        differs = [self.param_name(p) for p, d in zip(self._all_params(), mixed[1].tolist()) if d]
+        if differs:
+            raise ValueError(
+                f"parameters {differs} are in param groups whose options differ between ranks (e.g. fraction, "
+                "rank_fraction, selection_scope, algorithm, lr); build the optimizer with the same options, and "
+                "change them the same way, on every rank. Nothing was changed")
+        names = [self.param_name(p) for p, m in zip(self._all_params(), mixed[0].tolist()) if m]
         raise ValueError(
             f"parameters {names} have a gradient on some ranks and none on others; every rank must give the "
             "same parameters gradients (set unused ones to zeros, e.g. p.grad = torch.zeros_like(p), or use "
