@@ -264,3 +264,28 @@ def test_adamw_with_gradients_laid_out_unlike_their_parameters():
     want, _, _ = ref.adamw(x0, g, torch.zeros_like(g), torch.zeros_like(g), 1, lr=0.01, wd=0.1, beta1=0.9,
                            beta2=0.95, eps=1e-8)
     assert ref.rel_err(p.detach(), want) <= 1e-8  # a layout mix-up moves entries: errors ~1e-2
+
+
+def test_adamw_off_the_fused_kernel_has_float64_bias_corrections_per_parameter():
+    """Gradients laid out unlike their parameters take the foreach path: its bias corrections came from
+    fp32 step tensors (1 − β₂ᵗ lost 7e-6 of the update to cancellation) and assumed one step count for
+    the batch; here one parameter skips a step, so the two counts differ."""
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64, generator=gen)) for _ in range(2)]
+    hp = {"lr": 0.01, "wd": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    opt = orthoptim.Dion3([{"params": params, "algorithm": "adamw", "lr": hp["lr"], "weight_decay": hp["wd"],
+                            "betas": (hp["beta1"], hp["beta2"]), "epsilon": hp["eps"]}])
+    want = [(p.detach().clone(), torch.zeros(6, 4, dtype=torch.float64), torch.zeros(6, 4, dtype=torch.float64), 0)
+            for p in params]
+    for step in range(4):
+        for i, p in enumerate(params):
+            if step == 1 and i == 1:
+                p.grad = None
+                continue
+            g = torch.randn(4, 6, dtype=torch.float64, generator=gen).t()
+            p.grad = g
+            x, m, v, t = want[i]
+            want[i] = (*ref.adamw(x, g, m, v, t + 1, **hp), t + 1)
+        opt.step()
+    for p, (x, _, _, _) in zip(params, want):
+        assert ref.rel_err(p.detach(), x) <= 1e-13

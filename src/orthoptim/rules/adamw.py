@@ -33,19 +33,21 @@ def adamw_update(
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], step, amsgrad=False, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=weight_decay_rate, eps=eps, maximize=False)
         return
-    if isinstance(step, list) and all(s.device.type == "cpu" for s in step) and not params[0].device.type == "cpu":
-        step = int(step[0])  # host step counts for device parameters: bias corrections as numbers
+    if isinstance(step, list) and all(s.device.type == "cpu" for s in step) and not isinstance(lr, Tensor):
+        # Host step counts (reading them costs no sync): bias corrections as float64 numbers, one per
+        # parameter (a parameter without a gradient on some steps has a count of its own), as
+        # torch.optim.AdamW computes them; fp32 tensors lost 1 − β₂ᵗ to cancellation (7e-6 of the update).
+        step = [int(s) for s in step]
     weight_decay.decay_(params, lr, weight_decay_rate)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
-    if isinstance(step, int) and not isinstance(lr, Tensor):
-        bias1 = 1.0 - beta1**step
-        bias2 = 1.0 - beta2**step
-        torch._foreach_div_(denom, bias2**0.5)
+    if not isinstance(lr, Tensor) and (isinstance(step, int) or all(isinstance(t, int) for t in step)):
+        counts = [step] * len(params) if isinstance(step, int) else step
+        torch._foreach_div_(denom, [(1.0 - beta2**t) ** 0.5 for t in counts])
         torch._foreach_add_(denom, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, value=-lr / bias1)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1.0 - beta1**t) for t in counts])
         return
     steps = step if isinstance(step, list) else [torch.tensor(float(step), device=p.device) for p in params]
     # X ← X + m / d with d = (√v/√b₂ + ε)·(−b₁/lr): the step size folded into the denominator.
