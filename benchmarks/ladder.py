@@ -271,7 +271,9 @@ def _run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, d
               args: argparse.Namespace) -> dict[str, Any]:
     params = make_params(shapes, device=device, dtype=dtype, seed=args.seed, on_device=device.type == "cuda")
     opt = rung.make(params)
-    for _ in range(args.warmup):
+    # At least one step before the counts: a first step that creates state (torch.optim's lazily) would
+    # count that state as transient memory and its writes as passes.
+    for _ in range(max(args.warmup, 1)):
         opt.step()
     cuda = device.type == "cuda"
     with torch_kernels():
@@ -449,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizers", default=None, help="comma list of rungs (default: all)")
     parser.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameters and state")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 1 CPU, 3 CUDA)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps first, at least 1 (default: 1 CPU, 3 CUDA)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps (default: 3 CPU, 10 CUDA)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="time every rung this many times, one round after another, and pool the repeats: "
@@ -504,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     failures = 0
     results: dict[str, Any] = {"environment": env, "device_limits": limits, "dtype": args.dtype,
-                               "warmup": args.warmup, "repeats": args.repeats, "rounds": args.rounds,
+                               "warmup": max(args.warmup, 1), "repeats": args.repeats, "rounds": args.rounds,
                                "columns": COLUMNS,
                                "sets": {}, "rows": []}
 

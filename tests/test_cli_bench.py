@@ -42,6 +42,8 @@ def test_bench_tiny_writes_json_table_and_plot(tmp_path, capsys):
     (["--model", "124m", "--d-model", "64", "--layers", "2"], "either --model or --d-model/--layers"),
     (["--model", "huge"], "invalid choice: 'huge'"),
     (["--repeats", "0"], "--repeats 0 must be >= 1"),
+    (["--optimizers", "dion3,muon,dion3"], "names dion3 more than once"),
+    (["--device", "meta"], "--device meta: only cpu and cuda are supported"),
 ])
 def test_bench_invalid_options(capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:

@@ -123,6 +123,64 @@ def test_resume_refuses_changes(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
 
 
+def test_resume_refuses_other_data_an_edited_config_and_unreadable_files(tmp_path, capsys):
+    """Each of these used to resume (on the new data, or under the edited lr, recorded as if it had
+    held from the start) or end in a traceback."""
+    text = tmp_path / "a.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--optimizer", "muon", "--data", str(text), "--steps", "4", "--stop-at", "2",
+                  "--out", str(out), "--no-plot") == 0
+    capsys.readouterr()
+    config_file = out / "config.json"
+    header = json.loads(config_file.read_text())
+    assert len(header["data_sha256"]) == 64
+
+    text.write_text("pack my box with five dozen liquor jugs. " * 200)
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
+    assert "not the data this run trained on" in capsys.readouterr().err
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+
+    edited = json.loads(config_file.read_text())
+    edited["config"]["lr"]["muon"] = 0.5
+    config_file.write_text(json.dumps(edited))
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "muon.pt was trained with another configuration" in err and "0.5" in err, err
+    config_file.write_text(json.dumps(header))
+
+    checkpoint = out / "checkpoints" / "muon.pt"
+    good = checkpoint.read_bytes()
+    checkpoint.write_bytes(good[: len(good) // 2])
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
+    assert "muon.pt cannot be read" in capsys.readouterr().err
+    checkpoint.write_bytes(good)
+
+    config_file.write_text("{not json")
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
+    assert "config.json cannot be read" in capsys.readouterr().err
+    config_file.write_text(json.dumps(header))
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 0  # as it was: it continues
+
+
+def test_vocab_size_is_checked_against_the_largest_token_not_the_rounded_default(tmp_path, capsys):
+    from orthoptim.train import data
+
+    shard = tmp_path / "tokens.bin"
+    data.write_shard(shard, torch.arange(300).repeat(4))  # ids 0..299: the default vocabulary is 320
+    args = ["--optimizer", "adamw", "--data", str(shard), "--steps", "1", "--no-plot"]
+    assert _train(tmp_path, *args, "--vocab-size", "300", "--out", str(tmp_path / "a")) == 0
+    assert _train(tmp_path, *args, "--vocab-size", "299", "--out", str(tmp_path / "b")) == 2
+    assert "does not hold the data's token 299; give at least 300" in capsys.readouterr().err
+
+
+def test_reproduce_command_keeps_every_digit_of_the_lr(tmp_path):
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--optimizer", "muon", "--lr", "0.0123456789", "--steps", "1", "--out", str(out),
+                  "--no-plot") == 0
+    assert "--lr muon=0.0123456789 " in json.loads((out / "config.json").read_text())["command"]
+
+
 def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--help"])
@@ -249,3 +307,21 @@ def test_a_stopped_run_says_which_step_its_val_loss_is_from(tmp_path, capsys):
     assert _train(tmp_path, "--optimizer", "adamw", "--steps", "6", "--stop-at", "3", "--no-plot",
                   "--out", str(tmp_path / "run")) == 0
     assert "val loss is that of the last evaluation (adamw at step 2 of 3)" in capsys.readouterr().out
+
+
+def test_medians_leave_out_the_cold_first_step_of_a_resumed_job():
+    from orthoptim.train.loop import _warm_median
+
+    times = [50.0] + [2.0] * 9 + [40.0] + [2.0] * 9  # steps 1 and 11 start a process
+    assert _warm_median(times, resumed_at=10, step=20) == 2.0
+    assert _warm_median([50.0, 2.0, 2.0, 40.0], resumed_at=3, step=4) == 2.0
+    assert _warm_median([], resumed_at=0, step=0) != _warm_median([], resumed_at=0, step=0)  # nan
+
+
+def test_a_resume_stopped_below_the_step_reached_names_the_step_reached(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--optimizer", "adamw", "--steps", "6", "--stop-at", "4", "--out", str(out),
+                  "--no-plot") == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(out), "--stop-at", "2", "--no-plot", "--quiet"]) == 0
+    assert "stopped at step 4;" in capsys.readouterr().out

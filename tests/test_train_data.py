@@ -166,3 +166,45 @@ def test_a_corpus_sample_too_small_for_both_splits_names_corpus_mb(tmp_path):
     _write_tree(source, {f"m{i}.py": "x = 1\n" * 50 for i in range(20)})
     with pytest.raises(data.DataError, match=r"--corpus-mb .* too small"):
         data.build_corpus(source, tmp_path / "out", cap_bytes=10)
+
+
+@pytest.mark.parametrize("damage", ["flip a token", "token above a byte", "meta.json", "truncate"])
+def test_a_damaged_corpus_cache_is_rebuilt(tmp_path, damage):
+    """The cache was read as it was: a train.bin overwritten with other bytes trained silently."""
+    good = data.builtin_corpus(tmp_path, cap_bytes=64 * 1024)
+    good_train, good_val = good.train[0].clone(), good.val[0].clone()  # the shards are memory-mapped
+    folder = next((tmp_path / "corpus").iterdir())
+    shard = folder / "train.bin"
+    tokens = data.read_shard(shard).clone()
+    if damage == "flip a token":
+        tokens[10] = (int(tokens[10]) + 1) % 256
+        data.write_shard(shard, tokens)
+    elif damage == "token above a byte":  # its low byte unchanged: a byte-wise digest alone would pass it
+        tokens[10] = int(tokens[10]) + 256
+        data.write_shard(shard, tokens)
+    elif damage == "meta.json":
+        (folder / "meta.json").write_text("{not json")
+    else:
+        shard.write_bytes(shard.read_bytes()[:-10])
+    again = data.builtin_corpus(tmp_path, cap_bytes=64 * 1024)
+    assert torch.equal(again.train[0], good_train) and torch.equal(again.val[0], good_val)
+
+
+def test_upper_case_bin_suffixes_are_shards(tmp_path):
+    _handmade_shard(tmp_path / "train.BIN", list(range(200)) * 3)
+    loaded = data.load_data(tmp_path / "train.BIN")
+    assert loaded.bytes_per_token is None and loaded.largest_token == 199
+    assert data.load_data(tmp_path).num_tokens("train") == loaded.num_tokens("train")
+
+
+def test_the_digest_of_a_large_piece_samples_it_and_still_sees_its_ends():
+    big = torch.zeros(3 << 20, dtype=torch.uint8)
+    dataset = data.Dataset([big], [big[:100]], 256, 1.0, "test")
+    whole = dataset.digest()
+    assert dataset.digest(whole_up_to=1 << 20) != whole  # sampled, not hashed whole
+    sampled = dataset.digest(whole_up_to=1 << 20)
+    for where in (0, len(big) - 1):
+        changed = big.clone()
+        changed[where] = 1
+        other = data.Dataset([changed], [big[:100]], 256, 1.0, "test")
+        assert other.digest() != whole and other.digest(whole_up_to=1 << 20) != sampled

@@ -119,12 +119,17 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not names:
         raise UsageError(f"--optimizers: unknown {', '.join(unknown) or '(none given)'}; "
                          f"choose from {', '.join(sorted(factories))}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UsageError(f"--optimizers names {', '.join(twice)} more than once; each is timed once")
     try:
         device = torch.device(args.device)
     except RuntimeError:
         raise UsageError(f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available to this torch ({torch.__version__})")
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {args.device}: only cpu and cuda are supported")
     if (args.d_model is None) != (args.layers is None):
         raise UsageError("give --d-model and --layers together (or --model)")
     if args.d_model is not None and args.model is not None:

@@ -21,6 +21,7 @@ from orthoptim.train.loop import (
     CPU_HSDP_MIN_TORCH,
     DEFAULT_LR,
     OPTIMIZERS,
+    CheckpointError,
     Parallel,
     TrainConfig,
     checkpoint_path,
@@ -325,8 +326,14 @@ def load_dataset(cfg: TrainConfig) -> datamod.Dataset:
     except OSError as e:
         raise CommandError(f"reading data: {e}") from None
     if cfg.vocab_size is not None:
-        if cfg.vocab_size < dataset.vocab_size:
-            raise UsageError(f"--vocab-size {cfg.vocab_size} is smaller than the data's {dataset.vocab_size}")
+        # Against the largest id read, not the rounded default: any vocabulary that holds every id works
+        # (a later shard's larger id stops the run when a batch meets it).
+        largest = dataset.largest_token
+        if largest is None:  # text: bytes, read here (a pass over memory, no second read of the files)
+            largest = max(datamod.max_token_id(t) for t in [*dataset.train, *dataset.val])
+        if cfg.vocab_size <= largest:
+            raise UsageError(f"--vocab-size {cfg.vocab_size} does not hold the data's token {largest}; "
+                             f"give at least {largest + 1}")
         dataset.vocab_size = cfg.vocab_size
     return dataset
 
@@ -343,10 +350,15 @@ def run(args: argparse.Namespace) -> int:
         if extra:
             names = ", ".join("--" + k.replace("_", "-") for k in extra)
             raise UsageError(f"--resume continues the run exactly as {config_file} says; drop {names}")
-        values = json.loads(config_file.read_text())["config"]
-        values.update({k: v for k, v in given.items() if k in ("device", "cache_dir")})
-        cfg = TrainConfig.from_dict(values)
+        try:
+            saved = json.loads(config_file.read_text())
+            values = saved["config"]
+            cfg = TrainConfig.from_dict({**values, **{k: v for k, v in given.items() if k in ("device", "cache_dir")}})
+        except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+            raise CommandError(f"--resume {out_dir}: {config_file} cannot be read as this command's configuration "
+                               f"({type(e).__name__}: {e}); `orthoptim train` writes it: do not edit it") from None
         check_config(cfg)
+        data_digest = saved.get("data_sha256")
     else:
         cfg = resolve_config(given)
         out_dir = Path(given.get("out") or time.strftime("runs/train-%Y%m%d-%H%M%S"))
@@ -354,6 +366,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {out_dir} already holds a run; continue it with --resume {out_dir} "
                              "or choose another --out")
         check_out_dir(out_dir)  # created by rank 0 in compare, once the layout is known to work
+        data_digest = None
     stop_at = given.get("stop_at")
     if stop_at is not None and stop_at >= cfg.steps:
         raise UsageError(f"--stop-at {stop_at} must be smaller than --steps {cfg.steps}")
@@ -369,7 +382,8 @@ def run(args: argparse.Namespace) -> int:
     mode = "hsdp" if "hsdp" in given else given.get("parallel")
     rank, parallel = start_distributed(cfg, mode, given.get("hsdp"))
     try:
-        compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank, parallel=parallel)
+        compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank, parallel=parallel,
+                data_digest=data_digest)
         if dist.is_initialized():
             # No rank closes its connections while another still has a collective in flight: gloo
             # aborts a process (SIGABRT) whose peer hangs up mid-transfer. Only on success: after an
@@ -417,14 +431,20 @@ def start_distributed(cfg: TrainConfig, mode: str | None = None,
 
 
 def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool, plot: bool, rank: int,
-            parallel: Parallel | None = None) -> None:
-    """Train each optimizer of ``cfg`` in turn; rank 0 writes the results after each one."""
+            parallel: Parallel | None = None, data_digest: str | None = None) -> None:
+    """Train each optimizer of ``cfg`` in turn; rank 0 writes the results after each one. ``data_digest``
+    (a resumed run's): the data must still be the data it trained on."""
     dataset = load_dataset(cfg)
+    digest = dataset.digest()
+    if data_digest is not None and digest != data_digest:
+        raise CommandError(f"--resume {out_dir}: the data ({dataset.description}) is not the data this run trained "
+                           f"on (SHA-256 {data_digest[:12]}… then, {digest[:12]}… now); restore it, or start a new "
+                           "run on the new data")
     command = reproduce_command(cfg, str(out_dir))
     layout = "single process" if parallel is None else parallel.mode
     if parallel is not None and parallel.mode == "hsdp":
         layout += " {}x{}".format(*parallel.mesh.shape)
-    header = {"command": command, "config": asdict(cfg), "data": dataset.description,
+    header = {"command": command, "config": asdict(cfg), "data": dataset.description, "data_sha256": digest,
               "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1")),
                               "parallel": layout}}
     if rank == 0:
@@ -447,6 +467,8 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
             raise CommandError(f"{name}: {message}") from None
         except datamod.DataError as e:  # e.g. a later shard holds a token beyond the vocabulary
             raise CommandError(str(e)) from None
+        except CheckpointError as e:
+            raise CommandError(f"{name}: {e}") from None
         if rank == 0:
             write_results(out_dir, header, runs, started)
     if rank != 0:
@@ -460,7 +482,8 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
     write_text(out_dir / "summary.txt", table + "\n")
     print(table)
     finished = all(r["finished"] for r in runs.values())
-    note = "" if finished else f" (stopped at step {stop_at}; continue with: orthoptim train --resume {out_dir})"
+    reached = ", ".join(sorted({str(r["steps"]) for r in runs.values()}))
+    note = "" if finished else f" (stopped at step {reached}; continue with: orthoptim train --resume {out_dir})"
     print(f"\n{len(runs)} run(s) in {wall / 60:.1f} min{note}. Results: {out_dir / 'results.json'}"
           + (f", plot: {out_dir / 'loss.png'}" if plot else ""))
 

@@ -55,9 +55,29 @@ class Dataset:
     vocab_size: int
     bytes_per_token: float | None  # 1.0 for byte-level text; None when unknown (pre-tokenized shards)
     description: str
+    largest_token: int | None = None  # the largest id in the pieces the vocabulary was read from (None: not read)
 
     def num_tokens(self, split: str) -> int:
         return sum(len(t) for t in (self.train if split == "train" else self.val))
+
+    def digest(self, whole_up_to: int = 64 << 20, samples: int = 64) -> str:
+        """SHA-256 of the tokens of both splits, in order: what a resumed run checks it trains on. A
+        piece of more than ``whole_up_to`` bytes (a large shard set is not read in full each run) is
+        hashed by its length and ``samples`` evenly spaced 1 MiB windows, its first and last included."""
+        h = hashlib.sha256()
+        for split in (self.train, self.val):
+            for t in split:
+                h.update(f"{t.dtype}:{len(t)};".encode())
+                flat = t.contiguous().numpy()
+                if flat.nbytes <= whole_up_to:
+                    h.update(memoryview(flat))
+                    continue
+                window = (1 << 20) // flat.itemsize
+                for i in range(samples):
+                    start = (len(flat) - window) * i // (samples - 1)
+                    h.update(memoryview(flat[start:start + window]))
+            h.update(b"|")
+        return h.hexdigest()
 
     def batch(self, split: str, batch_size: int, context: int, seed: int, step: int,
               device: str | torch.device = "cpu", rank: int = 0, world: int = 1) -> tuple[Tensor, Tensor]:
@@ -203,13 +223,34 @@ def builtin_corpus(cache_dir: str | Path | None = None, source: str | Path | Non
     key = f"stdlib-py{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}" \
           f"-v{CORPUS_VERSION}-{cap_bytes}-{hashlib.sha256(str(source).encode()).hexdigest()[:8]}"
     folder = Path(cache_dir or default_cache_dir()) / "corpus" / key
-    if not (folder / "meta.json").exists():
+    cached = _read_cached_corpus(folder)
+    if cached is None:  # not built yet, or damaged: the cache is derived data, so it is rebuilt
         build_corpus(source, folder, cap_bytes)
-    meta = json.loads((folder / "meta.json").read_text())
-    train, val = read_shard(folder / "train.bin"), read_shard(folder / "val.bin")
+        cached = _read_cached_corpus(folder)
+        if cached is None:
+            raise DataError(f"the built-in corpus in {folder} does not read back as written; check the disk, or "
+                            "pass another --cache-dir")
+    meta, train, val = cached
     return Dataset([train], [val], 256, 1.0,
                    f"built-in corpus: Python {meta['python']} standard library, {meta['train_tokens']:,} train / "
                    f"{meta['val_tokens']:,} val bytes ({folder})")
+
+
+def _read_cached_corpus(folder: Path) -> tuple[dict, Tensor, Tensor] | None:
+    """meta.json and both shards of a built corpus, each shard checked against the length and SHA-256
+    that meta.json records (of the bytes; the shards hold them as uint16 tokens); None if any of it is
+    missing, unreadable or different."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        shards = {split: read_shard(folder / f"{split}.bin") for split in ("train", "val")}
+    except (OSError, ValueError, DataError):  # JSONDecodeError is a ValueError
+        return None
+    for split, tokens in shards.items():
+        if not isinstance(meta, dict) or len(tokens) != meta.get(f"{split}_tokens") or \
+                max_token_id(tokens) > 255 or \
+                hashlib.sha256(memoryview(tokens.to(torch.uint8).numpy())).hexdigest() != meta.get(f"{split}_sha256"):
+            return None
+    return meta, shards["train"], shards["val"]
 
 
 def load_data(path: str | Path, val_fraction: float = 0.05) -> Dataset:
@@ -222,7 +263,7 @@ def load_data(path: str | Path, val_fraction: float = 0.05) -> Dataset:
     if not path.exists():
         raise DataError(f"--data {path}: no such file or folder")
     if path.is_dir():
-        shards = sorted(path.glob("*.bin"))
+        shards = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() == ".bin")
         if shards:
             return _from_shards(shards, val_fraction, str(path))
         files = _text_files(path)
@@ -235,7 +276,7 @@ def load_data(path: str | Path, val_fraction: float = 0.05) -> Dataset:
                               f"{len(files)} text file(s) in {path}")
         return Dataset([_bytes_tensor(_concat_bytes(train_files))], [_bytes_tensor(_concat_bytes(val_files))],
                        256, 1.0, f"text folder {path}: {len(train_files)} train / {len(val_files)} val files")
-    if path.suffix == ".bin":
+    if path.suffix.lower() == ".bin":
         return _from_shards([path], val_fraction, str(path))
     data = path.read_bytes()
     if not data:
@@ -274,12 +315,12 @@ def _from_shards(shards: list[Path], val_fraction: float, where: str) -> Dataset
         how = f"{len(train_paths)} shard(s), last {val_fraction:.0%} of the last shard held out for validation"
     # Vocabulary: the largest token id in the first train shard and the val shards (not every shard: a
     # 10B-token set would be read in full), + 1, rounded up to a multiple of 64; --vocab-size overrides.
-    top = max(_max_token(t) for t in [train[0], *val])
+    top = max(max_token_id(t) for t in [train[0], *val])
     vocab = (top + 1 + 63) // 64 * 64
-    return Dataset(train, val, vocab, None, f"token shards {where}: {how}, vocabulary {vocab}")
+    return Dataset(train, val, vocab, None, f"token shards {where}: {how}, vocabulary {vocab}", top)
 
 
-def _max_token(tokens: Tensor, chunk: int = 1 << 24) -> int:
+def max_token_id(tokens: Tensor, chunk: int = 1 << 24) -> int:
     """Largest id, read in chunks (uint16 has no max() kernel; a whole shard as int32 would be large)."""
     return max((int(tokens[i:i + chunk].to(torch.int32).max()) for i in range(0, len(tokens), chunk)), default=0)
 

@@ -404,7 +404,12 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
     if ckpt_file.exists():
         # Sharded: each rank reads the whole file to the CPU and keeps its shard.
         where = "cpu" if parallel is not None and parallel.sharded else device
-        ckpt = torch.load(ckpt_file, map_location=where, weights_only=False)
+        try:
+            ckpt = torch.load(ckpt_file, map_location=where, weights_only=False)
+        except Exception as e:  # a truncated or foreign file fails in many ways (OSError, pickle, zip)
+            raise CheckpointError(f"{ckpt_file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                                  "remove it to retrain that optimizer from the start") from None
+        check_same_config(ckpt_file, ckpt.get("config"), cfg)
         load_full_state(model, optimizer, ckpt, parallel)
         step, history, earlier_peak_mb = ckpt["step"], ckpt["history"], ckpt.get("peak_memory_mb", 0.0)
 
@@ -480,10 +485,10 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
     if step > resumed_at or not ckpt_file.exists():
         save()
 
-    # Medians skip the first steps (allocation, warm-up of kernels); sums would let one stall dominate.
-    skip = min(5, len(history["step_ms"]) // 2)
-    step_ms = statistics.median(history["step_ms"][skip:]) if history["step_ms"] else float("nan")
-    opt_ms = statistics.median(history["opt_ms"][skip:]) if history["opt_ms"] else float("nan")
+    # Medians skip the first steps of each process that trained (allocation, warm-up of kernels: a
+    # resumed run's first step is as cold as the first one); sums would let one stall dominate.
+    step_ms = _warm_median(history["step_ms"], resumed_at, step)
+    opt_ms = _warm_median(history["opt_ms"], resumed_at, step)
     peak_mb, peak_kind = peak_memory_mb(device)
     peak_mb = earlier_peak_mb if 0 < resumed_at == step else max(peak_mb, earlier_peak_mb)
     final = history["val_loss"][-1]
@@ -507,6 +512,46 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         "parameters": model.num_params(),
         "history": history,
     }
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or that was written under another configuration."""
+
+
+# What may differ between a checkpoint's configuration and the resumed one: where it runs, not what.
+_RESUME_MAY_CHANGE = ("device", "cache_dir")
+
+
+def check_same_config(ckpt_file: Path, saved: dict | None, cfg: TrainConfig) -> None:
+    """A resumed run continues the configuration its checkpoint was trained under, or refuses: an
+    edited config.json (another lr, more steps) would otherwise mix two runs under one record."""
+    if saved is None:
+        return  # written by an older version, which saved no configuration
+    now = asdict(cfg)
+    changed = sorted(k for k in set(saved) | set(now)
+                     if k not in _RESUME_MAY_CHANGE and _as_json(saved.get(k)) != _as_json(now.get(k)))
+    if changed:
+        what = ", ".join(f"{k} {saved.get(k)!r} → {now.get(k)!r}" for k in changed)
+        raise CheckpointError(f"{ckpt_file} was trained with another configuration ({what}); resume with the "
+                              "config.json it was written with, or start a new run")
+
+
+def _as_json(value: Any) -> Any:
+    """Tuples and lists compare equal, as they do once written to config.json."""
+    return [_as_json(v) for v in value] if isinstance(value, (list, tuple)) else \
+        {k: _as_json(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def _warm_median(values: list[float], resumed_at: int, step: int) -> float:
+    """The median of per-step times without the first steps of each process: up to 5 (at most half)
+    from the start, and the first step after a resume."""
+    if not values:
+        return float("nan")
+    skip = set(range(min(5, len(values) // 2)))
+    if 0 < resumed_at < step:
+        skip.add(resumed_at)  # values[i] is step i + 1's time: the first step this process took
+    kept = [v for i, v in enumerate(values) if i not in skip]
+    return statistics.median(kept or values)
 
 
 def _last_ema(values: list[float], beta: float = 0.9) -> float | None:
@@ -540,7 +585,7 @@ def reproduce_command(cfg: TrainConfig, out: str) -> str:
         if f.name == "optimizers":
             continue
         if f.name == "lr":
-            value = ",".join(f"{n}={cfg.lr_for(n):g}" for n in cfg.optimizers)
+            value = ",".join(f"{n}={cfg.lr_for(n)!r}" for n in cfg.optimizers)  # repr: every digit
         if value is None:
             continue
         parts += [f"--{f.name.replace('_', '-')}", str(value)]
