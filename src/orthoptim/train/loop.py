@@ -528,10 +528,11 @@ def check_same_config(ckpt_file: Path, saved: dict | None, cfg: TrainConfig) -> 
     if saved is None:
         return  # written by an older version, which saved no configuration
     now = asdict(cfg)
-    changed = sorted(k for k in set(saved) | set(now)
-                     if k not in _RESUME_MAY_CHANGE and _as_json(saved.get(k)) != _as_json(now.get(k)))
+    # Keys only one side has: options of another version of this command, not an edit.
+    changed = sorted(k for k in set(saved) & set(now)
+                     if k not in _RESUME_MAY_CHANGE and _as_json(saved[k]) != _as_json(now[k]))
     if changed:
-        what = ", ".join(f"{k} {saved.get(k)!r} → {now.get(k)!r}" for k in changed)
+        what = ", ".join(f"{k} {saved[k]!r} → {now[k]!r}" for k in changed)
         raise CheckpointError(f"{ckpt_file} was trained with another configuration ({what}); resume with the "
                               "config.json it was written with, or start a new run")
 
