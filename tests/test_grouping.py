@@ -405,3 +405,50 @@ def test_explain_names_each_block_size_and_dion_rank():
     row = re.split(r"\s{2,}", orthoptim.explain(opt).splitlines()[2].strip())
     assert row[2] == f"dion r={D // 4},{D // 2}"
     assert row[3] == f"1 × [{D // 2}, {D}] + 2 × [{D}, {D}]"
+
+
+def test_every_output_head_goes_to_adamw():
+    """Several heads over one vocabulary (multi-token prediction) or one head per vocabulary: only the
+    last one was found, the others were orthogonalized."""
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.text = nn.Embedding(VOCAB, D)
+            self.image = nn.Embedding(VOCAB + 7, D)
+            self.hidden = nn.Linear(D, D)
+            self.next_tokens = nn.ModuleList([nn.Linear(D, VOCAB, bias=False) for _ in range(3)])
+            self.image_head = nn.Linear(D, VOCAB + 7)
+
+    model = make(Heads)
+    groups = orthoptim.param_groups(model)
+    for head in [*model.next_tokens, model.image_head]:
+        assert group_of(groups, head.weight)["algorithm"] == "adamw"
+    assert "algorithm" not in group_of(groups, model.hidden.weight)
+
+
+def test_vector_shaped_tensors_and_weight_norm_parts_are_grouped_by_what_they_are():
+    """(1, 1, d) tokens and MultiheadAttention's bias_k were "batches of matrices"; weight_norm's
+    magnitudes went to the matrix rule and a conv's direction was cut into one matrix per channel."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, D))
+            self.attn = nn.MultiheadAttention(D, 2, add_bias_kv=True)
+            self.conv = weight_norm(nn.Conv1d(8, D, 5))
+            self.legacy = nn.utils.weight_norm(nn.Conv2d(3, 8, 3))  # weight_g / weight_v on the conv itself
+            self.lin = weight_norm(nn.Linear(D, 12))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # nn.utils.weight_norm is deprecated
+        model = make(Model)
+    groups = orthoptim.param_groups(model)
+    scalar = [model.cls_token, model.attn.bias_k, model.attn.bias_v, model.conv.parametrizations.weight.original0,
+              model.legacy.weight_g, model.lin.parametrizations.weight.original0]
+    for p in scalar:
+        assert group_of(groups, p)["algorithm"] == "adamw", tuple(p.shape)
+    for conv_weight in (model.conv.parametrizations.weight.original1, model.legacy.weight_v):
+        assert group_of(groups, conv_weight).get("flatten") is True
+    assert "algorithm" not in group_of(groups, model.lin.parametrizations.weight.original1)

@@ -28,21 +28,31 @@ _HEAD_NAMES = {"head", "lm_head", "output", "output_head", "out_head", "unembed"
                "classifier", "logits"}
 
 
-def _output_head(model: nn.Module, vocab_sizes: set[int]) -> int | None:
-    """id of the output head's weight: an nn.Linear producing one score per entry of an embedding's
-    vocabulary. Of those, the last one whose outputs no nn.Linear reads (wider ones are hidden
-    activations); when an MLP is as wide as the vocabulary (every such size is read), the last one
-    named like a head, else the model's last nn.Linear if it is one of them."""
+def _output_heads(model: nn.Module, vocab_sizes: set[int]) -> set[int]:
+    """ids of the output heads' weights: the nn.Linear layers producing one score per entry of an
+    embedding's vocabulary. Every one whose outputs no nn.Linear reads (wider ones are hidden
+    activations; several: multi-token prediction heads, or one head per vocabulary); when an MLP is
+    as wide as the vocabulary (every such size is read), those named like a head, else the model's
+    last nn.Linear if it is one of them."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     candidates = [(name, m) for name, m in linears if m.out_features in vocab_sizes]
     if not candidates:
-        return None
+        return set()
     read_sizes = {m.in_features for _, m in linears}
     unread = [m for _, m in candidates if m.out_features not in read_sizes]
     named = [m for name, m in candidates if name.rsplit(".", 1)[-1] in _HEAD_NAMES]
     last = [linears[-1][1]] if linears[-1][1] is candidates[-1][1] else []
-    chosen = unread or named or last
-    return id(chosen[-1].weight) if chosen else None
+    return {id(m.weight) for m in (unread or named or last)}
+
+
+def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
+    """id of each ParametrizationList (torch.nn.utils.parametrize, e.g. weight_norm) → the module
+    and tensor name it parametrizes: a conv's weight lives there, not on the conv."""
+    owners = {}
+    for module in model.modules():
+        for name, plist in getattr(module, "parametrizations", {}).items():
+            owners[id(plist)] = (module, name)
+    return owners
 
 
 def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
@@ -53,20 +63,27 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
         if isinstance(module, _EMBEDDING_TYPES):
             embeddings[id(module.weight)] = mname or "<root>"
             vocab_sizes.add(module.num_embeddings)
-    head_id = _output_head(model, vocab_sizes)
+    heads = _output_heads(model, vocab_sizes)
+    owners = _parametrized_owners(model)
     kinds: dict[int, tuple[str, str]] = {}
     for _mname, module in model.named_modules():
+        # A parametrized weight (weight_norm's direction, original1) counts as its owner's weight.
+        owner, owned = owners.get(id(module), (module, None))
         for pname, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in kinds:
                 continue
             if id(p) in embeddings:
-                tied = " (tied to the output head)" if id(p) == head_id else ""
+                tied = " (tied to the output head)" if id(p) in heads else ""
                 kinds[id(p)] = ("scalar", f"embedding of {embeddings[id(p)]}{tied}")
-            elif id(p) == head_id:
+            elif id(p) in heads:
                 kinds[id(p)] = ("scalar", "output head (outputs one score per vocabulary entry)")
             elif p.ndim < 2:
                 kinds[id(p)] = ("scalar", "vector (bias or norm)")
-            elif isinstance(module, _CONV_TYPES) and pname == "weight":
+            elif sum(size > 1 for size in p.shape) < 2:
+                # (1, 1, d) tokens and biases, (n, 1) magnitudes of weight_norm: an orthonormal update of
+                # one row or column is its sign pattern scaled to unit norm, blind to its size.
+                kinds[id(p)] = ("scalar", f"vector-shaped {tuple(p.shape)}")
+            elif isinstance(owner, _CONV_TYPES) and (owned or pname) in ("weight", "weight_v"):
                 kinds[id(p)] = ("conv", "conv weight, flattened to [out, in·k…]")
             elif p.ndim in (2, 3):
                 kinds[id(p)] = ("matrix", "matrix" if p.ndim == 2 else "batch of matrices")
@@ -87,8 +104,10 @@ def param_groups(
     """Split ``model``'s trainable parameters into optimizer groups.
 
     - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
-      (or ``algorithm`` when given); conv weights → the same rule with ``flatten=True``;
-    - embeddings, the output head (tied or not), biases, norms → ``scalar_algorithm`` ("adamw" or
+      (or ``algorithm`` when given); conv weights (also weight_norm's direction) → the same rule with
+      ``flatten=True``;
+    - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary), biases,
+      norms and other tensors with at most one dimension above 1 → ``scalar_algorithm`` ("adamw" or
       "lion"), with ``lr=scalar_lr`` and ``weight_decay=scalar_weight_decay`` when given; otherwise
       they take the optimizer's ``lr`` and ``weight_decay`` like every group (pass
       ``scalar_weight_decay=0.0`` for the common choice of no decay on embeddings, norms and biases);
