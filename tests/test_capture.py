@@ -70,6 +70,17 @@ def test_capturable_step_reads_nothing_back_from_the_device(name):
             assert "aten::_local_scalar_dense" in counter.names
 
 
+@pytest.mark.parametrize("blocks", [{"num_heads": 2}, {"split_sizes": [8, 8, 8]}])
+def test_capturable_fp16_dion_with_blocks_reads_nothing_back(blocks):
+    """The fp16 overflow check took the largest block norm with Python's max: one read per block."""
+    p = torch.nn.Parameter(torch.randn(24, 16).half())
+    opt = orthoptim.Dion([{"params": [p], **blocks}], capturable=True)
+    p.grad = torch.randn(24, 16).half()
+    with orthoptim.HostSyncCounter() as counter:
+        opt.step()
+    assert counter.names == [], counter.names
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_capturable_step_equals_default_step_under_an_lr_schedule(name):
     want, _, _ = _train(name, capturable=False)
@@ -101,6 +112,26 @@ def test_nonfinite_gradient_is_flagged_and_check_raises_with_the_name():
     assert bool(opt.nonfinite_found)
     with pytest.raises(orthoptim.NonFiniteGradientError, match=r"blocks\.0\.mlp"):
         opt.check_nonfinite()
+
+
+def test_the_nonfinite_flag_holds_until_it_is_checked():
+    """The docs check every 100 steps: a flag of the last step only forgot a NaN step followed by finite
+    ones (its update had already made weights NaN). Also across steps with other parameter sets."""
+    params = _model()
+    opt = orthoptim.Dion3([("blocks.0.mlp", params[0]), ("blocks.0.attn", params[1])], capturable=True)
+    for step in range(5):
+        for p, g in zip(params[:2], _grads(step)):
+            p.grad = g
+        if step == 1:
+            params[0].grad[3, 4] = float("inf")
+        if step == 3:
+            params[0].grad = None  # another set of parameters with gradients
+        opt.step()
+    assert bool(opt.nonfinite_found)
+    with pytest.raises(orthoptim.NonFiniteGradientError, match=r"blocks\.0\.mlp"):
+        opt.check_nonfinite()
+    assert not bool(opt.nonfinite_found)  # cleared by the check that raised
+    opt.check_nonfinite()
 
 
 def test_skip_mode_and_capture_are_refused_together():

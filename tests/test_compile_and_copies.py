@@ -102,3 +102,19 @@ def test_a_copy_keeps_its_own_hooks_out():
     assert calls == []
     opt.step()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_made_under_an_lr_scheduler_steps_its_own_parameters(how):
+    """A scheduler wraps the optimizer's step on the instance (bound to that optimizer): copied along,
+    the copy's step() updated the original's parameters, and pickling failed."""
+    model = make_model()
+    opt = make_opt("muon", model)
+    torch.optim.lr_scheduler.StepLR(opt, 2)
+    run(model, opt, range(1))
+    model2, opt2 = copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
+    before = [p.detach().clone() for p in model.parameters()]
+    set_grads(model2, 1)
+    opt2.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert not all(torch.equal(a, b) for a, b in zip(model2.parameters(), before))

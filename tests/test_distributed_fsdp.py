@@ -715,9 +715,11 @@ def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
         except ValueError as e:
             message = str(e)
         out.append((name, message, torch.equal(p.full_tensor(), before)))
-    # The same options built separately on each rank are not "different".
+    # The same options built separately on each rank are not "different", nor is a key of the user's
+    # whose repr differs by process (a set of strings: hash order) or a per-rank lr.
     p = nn.Parameter(distribute_tensor(torch.randn(16, 12), mesh, [Shard(0)]))
-    opt = orthoptim.Dion3([{"params": [("w", p)], "fraction": 0.25}], distributed_mesh=mesh)
+    opt = orthoptim.Dion3([{"params": [("w", p)], "fraction": 0.25, "tags": {"attn", "mlp", "qkv", "proj"},
+                            "lr": 0.01 * (rank + 1)}], distributed_mesh=mesh)
     p.grad = torch.ones_like(p)
     opt.step()
     return out

@@ -733,6 +733,8 @@ def test_a_set_of_params_is_refused_as_torch_optim_refuses_it():
     """A set's order changes between runs, and with it the state dict's order and Dion's initial Q."""
     with raises_naming(TypeError, "param group 0", "set", "list"):
         orthoptim.Muon([{"params": {nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))}}])
+    with raises_naming(TypeError, "params is a set", "list"):
+        orthoptim.Muon(frozenset({nn.Parameter(torch.randn(4, 4))}))
 
 
 @pytest.mark.parametrize("value", [0, -5, 2.5, True, "100"])

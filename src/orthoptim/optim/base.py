@@ -125,6 +125,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
         # The options each parameter was last checked under at step time (see _check_group_at_step).
         self._checked_options: dict[Tensor, tuple[Any, ...]] = {}
+        if isinstance(params, (set, frozenset)):  # torch.optim checks this in groups only
+            raise TypeError("params is a set, whose order changes between runs (and with it the order of the state "
+                            "dict and Dion's initial factors); pass a list")
         super().__init__(params, full)
 
     # ----------------------------------------------------------------------------- copies
@@ -138,8 +141,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 raise TypeError(
                     f"{type(self).__name__} was built with {option}=..., whose process group cannot be copied or "
                     "pickled; save optimizer.state_dict() and load it into an optimizer built where it is needed")
+        # Dropped as torch.optim drops them: hooks, and what shadows a method of the class (an LR
+        # scheduler's wrapper of step, bound to the original optimizer: a copy would step that one).
         return {key: value for key, value in self.__dict__.items()
-                if not key.startswith("_optimizer_") or not key.endswith("_hooks")}
+                if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)}
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -162,7 +167,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             )
         self._check_capturable_options(merged, f"param group {index}")
         raw = param_group["params"]
-        if isinstance(raw, set):  # as torch.optim: a set's order, and so the state dict's, changes between runs
+        if isinstance(raw, (set, frozenset)):  # as torch.optim refuses it
             raise TypeError(f"param group {index}: params is a set, whose order changes between runs (and with it "
                             "the order of the state dict and Dion's initial factors); pass a list")
         raw = [raw] if isinstance(raw, Tensor) else list(raw)

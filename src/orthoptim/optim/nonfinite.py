@@ -21,7 +21,14 @@ from torch import Tensor
 
 from orthoptim.distributed.dtensor import DTensor, Replicate, local_tensor
 from orthoptim.optim.capture import capturing
-from orthoptim.optim.validation import MATRIX_ALGORITHMS
+from orthoptim.optim.validation import MATRIX_ALGORITHMS, READ_BY_ALL, READS
+
+
+def _checked_keys(group: dict[str, Any]) -> list[str]:
+    """The options of ``group`` the checksum covers: what its algorithm reads, lr aside (a user's own keys
+    cannot change a collective, and their repr may differ by process: a set's order, an address)."""
+    return [key for key in (READS.get(group["algorithm"], frozenset()) | READ_BY_ALL | {"algorithm"})
+            if key != "lr" and key in group]
 
 
 def _described(value: Any) -> str:
@@ -42,7 +49,10 @@ class GradientChecks:
     device for ``check_nonfinite`` (capturable steps)."""
 
     def _init_gradient_checks(self) -> None:
-        self.nonfinite_found: Tensor | None = None  # capturable: a device flag of the last step
+        # Capturable: a device flag, set by any step since the last check_nonfinite().
+        self.nonfinite_found: Tensor | None = None
+        # Capturable: per set of parameters with gradients (by identity), its per-parameter flags.
+        self._flag_sets: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._verdict_index: dict[tuple, Tensor] = {}  # see _positions_among
         self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         # Whether a parameter is sharded over a mesh dimension none of the optimizer's meshes covers.
@@ -119,13 +129,13 @@ class GradientChecks:
         return table[0, index] == 0, table[1, index] == 0, torch.stack([(table[2] & table[3]).bool(), differs])
 
     def _options_checksum(self, everyone: list[Tensor], device: torch.device) -> Tensor:
-        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its group's options (all of
-        them but a tensor lr, whose value would need a read) and its complement. Ranks
+        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its group's options (those
+        its algorithm reads, but not lr: a schedule changes it every step, and a rebuilt checksum would be
+        a host-to-device copy each step) and its complement. Ranks
         built with different options (a fraction, a rank, a selection scope) would otherwise exchange
         messages of different sizes: gloo aborts the process, or the ranks wait for each other forever.
         Rebuilt only when the options change (a capturable step makes no host-to-device copy)."""
-        described = tuple(tuple(sorted((key, _described(value)) for key, value in g.items()
-                                       if key not in ("params", "param_names", "initial_lr")))
+        described = tuple(tuple(sorted((key, _described(g[key])) for key in _checked_keys(g)))
                           for g in self.param_groups)
         key = (tuple(map(id, everyone)), described)
         if self._checksums is None or self._checksums[0] != key:
@@ -154,7 +164,7 @@ class GradientChecks:
         if differs:
             raise ValueError(
                 f"parameters {differs} are in param groups whose options differ between ranks (e.g. fraction, "
-                "rank_fraction, selection_scope, algorithm, lr); build the optimizer with the same options, and "
+                "rank_fraction, selection_scope, algorithm); build the optimizer with the same options, and "
                 "change them the same way, on every rank. Nothing was changed")
         names = [self.param_name(p) for p, m in zip(self._all_params(), mixed[0].tolist()) if m]
         raise ValueError(
@@ -191,8 +201,9 @@ class GradientChecks:
                 else:  # this rank's block of sharded matrices
                     b = b if batched else b.reshape(1, m.shape[0], -1)
                     blocks, (row_shards, col_shards) = ((0, b.shape[1]),), self._shard_counts(p, batched)
-                cols = max(torch.linalg.vector_norm(b[:, start:start + n], dim=-2, dtype=torch.float32).amax()
-                           for start, n in blocks) * math.sqrt(row_shards)
+                # torch.stack, not Python's max: comparing 0-dim tensors would read each one back.
+                cols = torch.stack([torch.linalg.vector_norm(b[:, start:start + n], dim=-2, dtype=torch.float32).amax()
+                                    for start, n in blocks]).amax() * math.sqrt(row_shards)
                 rows = torch.linalg.vector_norm(b, dim=-1, dtype=torch.float32).amax() * math.sqrt(col_shards)
                 size = torch.maximum(rows, cols)
             else:
@@ -221,31 +232,42 @@ class GradientChecks:
             if mixed is not None and not capturing() and bool(mixed.any()):
                 self._raise_if_mixed(mixed)
             bad = ~(finite & fits)
-            held = self._nonfinite_flags
-            # Compared by identity: == on lists of tensors would compare their values elementwise.
-            if held is not None and len(held[0]) == len(params) and all(a is b for a, b in zip(held[0], params)):
-                # The same buffers every step: a captured graph writes the ones check_nonfinite reads,
-                # also when eager steps run in between.
-                held[1].copy_(bad)
-                self.nonfinite_found.copy_(bad.any())
+            # One pair of buffers per set of parameters with gradients, the same every step: a captured
+            # graph writes the ones check_nonfinite reads, also when eager steps run in between. OR-ed
+            # in, not copied: the flags hold every step since the last check_nonfinite, which may come
+            # many steps later.
+            key = tuple(map(id, params))
+            held = self._flag_sets.get(key)
+            if held is None:
+                held = self._flag_sets[key] = (params, bad)
             else:
-                self._nonfinite_flags = (params, bad)
+                held[1].logical_or_(bad)
+            self._nonfinite_flags = held
+            if self.nonfinite_found is None:
                 self.nonfinite_found = bad.any()
+            else:
+                self.nonfinite_found.logical_or_(bad.any())
         return work
 
     def check_nonfinite(self) -> None:
-        """Capturable optimizers: raise if the last step saw a non-finite gradient (reads one flag
-        from the device; call it outside the captured step, e.g. every few steps)."""
+        """Capturable optimizers: raise if a step since the last call saw a non-finite gradient (reads
+        one flag from the device; call it outside the captured step, e.g. every few steps). The flags
+        are cleared when it raises."""
         if self._nonfinite_flags is None:
             return
-        params, bad = self._nonfinite_flags
-        if bool(bad.any()):
-            names = [self.param_name(p) for p, b in zip(params, bad.tolist()) if b]
-            raise NonFiniteGradientError(
-                f"parameters {names} had non-finite gradients (NaN or Inf), or float16 momenta that overflowed, "
-                "in the last captured step; their "
-                "update was applied, so restore the last checkpoint, then lower the learning rate or clip gradients"
-            )
+        if not bool(self.nonfinite_found):
+            return
+        flags = list(self._flag_sets.values())
+        names = list(dict.fromkeys(self.param_name(p) for params, bad in flags
+                                   for p, b in zip(params, bad.tolist()) if b))
+        for _, bad in flags:
+            bad.zero_()
+        self.nonfinite_found.zero_()
+        raise NonFiniteGradientError(
+            f"parameters {names} had non-finite gradients (NaN or Inf), or float16 momenta that overflowed, "
+            "in a step since the last check; their "
+            "update was applied, so restore the last checkpoint, then lower the learning rate or clip gradients"
+        )
 
     def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
         params = [p for _, ps in work for p in ps]

@@ -31,20 +31,20 @@ READS: dict[str, frozenset[str]] = {
     "adamw": frozenset({"betas", "epsilon"}),
     "lion": frozenset({"betas"}),
 }
-_READ_BY_ALL = frozenset({"algorithm", "lr", "weight_decay", "nonfinite"})
+READ_BY_ALL = frozenset({"algorithm", "lr", "weight_decay", "nonfinite"})
 
 
 def unread_options(given: Mapping[str, Any], algorithm: str, known: set[str] | frozenset[str]) -> list[str]:
     """The options among ``known`` that a group sets itself (``given``, without the optimizer's
     defaults) but its ``algorithm`` never reads, e.g. ``fraction`` on a Muon group: most likely meant
     for another algorithm, and otherwise silently without effect."""
-    reads = READS.get(algorithm, frozenset()) | _READ_BY_ALL
+    reads = READS.get(algorithm, frozenset()) | READ_BY_ALL
     return sorted(k for k in given if k in known and k not in reads)
 
 
 def readers_of(key: str) -> list[str]:
     """The algorithms that read the option ``key``."""
-    return [a for a in ALGORITHMS if key in READS[a] or key in _READ_BY_ALL]
+    return [a for a in ALGORITHMS if key in READS[a] or key in READ_BY_ALL]
 
 
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:

@@ -409,6 +409,9 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         except Exception as e:  # a truncated or foreign file fails in many ways (OSError, pickle, zip)
             raise CheckpointError(f"{ckpt_file} cannot be read ({type(e).__name__}: {str(e).splitlines()[0]}); "
                                   "remove it to retrain that optimizer from the start") from None
+        if not isinstance(ckpt, dict) or not {"model", "optimizer", "step", "history"} <= set(ckpt):
+            raise CheckpointError(f"{ckpt_file} is not a checkpoint of orthoptim train (no model, optimizer, step "
+                                  "and history in it); remove it to retrain that optimizer from the start")
         check_same_config(ckpt_file, ckpt.get("config"), cfg)
         load_full_state(model, optimizer, ckpt, parallel)
         step, history, earlier_peak_mb = ckpt["step"], ckpt["history"], ckpt.get("peak_memory_mb", 0.0)
