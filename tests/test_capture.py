@@ -183,6 +183,21 @@ def test_capturable_state_dict_round_trip_keeps_device_steps_and_tensor_lrs():
     assert float(fresh.state[params[3]]["step"]) == 2.0
 
 
+@pytest.mark.parametrize("name", ["dion3", "dion", "muon"])
+def test_a_capturable_load_keeps_the_tensors_a_captured_graph_reads(name):
+    """docs/capture.md restores a checkpoint after a non-finite step: loading replaced every lr and
+    state tensor, so a captured graph would have kept replaying on the old ones."""
+    _, source, _ = _train(name, capturable=True, steps=3)
+    _, target, _ = _train(name, capturable=True, steps=1)
+    tensors = lambda opt: [g["lr"] for g in opt.param_groups] + [  # noqa: E731
+        t for p in (q for g in opt.param_groups for q in g["params"]) for t in opt.state[p].values()]
+    before = [id(t) for t in tensors(target)]
+    target.load_state_dict(source.state_dict())
+    assert [id(t) for t in tensors(target)] == before
+    for a, b in zip(tensors(target), tensors(source), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_tensor_learning_rate_is_accepted_and_checked():
     params = _model()
     opt = orthoptim.Dion3(params[:3], lr=torch.tensor(0.02), capturable=True)

@@ -247,6 +247,7 @@ class StateKeeping:
         params = [p for g in self.param_groups for p in g["params"]]
         saved = state_dict["state"]
         before = [dict(g) for g in self.param_groups]
+        held = {p: dict(self.state[p]) for p in params if p in self.state} if self.capturable else {}
         super().load_state_dict(state_dict)
         for group, old in zip(self.param_groups, before):
             for key, value in old.items():  # keys a state dict of an older version lacks keep their values
@@ -260,3 +261,23 @@ class StateKeeping:
         if self.capturable:
             for index, group in enumerate(self.param_groups):
                 self._lr_to_tensor(group, index)
+            self._load_into_held_tensors(held, before)
+
+    def _load_into_held_tensors(self, held: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
+        """Capturable: the loaded values copied into the tensors the optimizer held before (each lr and
+        state tensor of the same shape, dtype and device), so that a captured CUDA graph, which reads
+        and writes those addresses, replays with the loaded state instead of the replaced one."""
+        def keep(old: Any, new: Any) -> Any:
+            if isinstance(old, Tensor) and isinstance(new, Tensor) and old is not new and \
+                    (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device) and \
+                    type(old) is type(new):
+                old.copy_(new)
+                return old
+            return new
+
+        for group, old in zip(self.param_groups, groups):
+            group["lr"] = keep(old["lr"], group["lr"])
+        for p, old_state in held.items():
+            state = self.state[p]
+            for key, value in list(state.items()):
+                state[key] = keep(old_state.get(key), value)
