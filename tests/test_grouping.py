@@ -452,3 +452,18 @@ def test_vector_shaped_tensors_and_weight_norm_parts_are_grouped_by_what_they_ar
     for conv_weight in (model.conv.parametrizations.weight.original1, model.legacy.weight_v):
         assert group_of(groups, conv_weight).get("flatten") is True
     assert "algorithm" not in group_of(groups, model.lin.parametrizations.weight.original1)
+
+
+def test_a_plain_group_can_join_the_named_groups_of_param_groups():
+    """torch.optim refuses groups with and without param_names side by side ("with/without names")."""
+    model = make()
+    extra = nn.Parameter(torch.randn(4, 4))
+    opt = orthoptim.Dion3([*orthoptim.param_groups(model), {"params": [extra]}])
+    assert opt.param_groups[-1]["param_names"] == [opt.param_name(extra)]
+    first, second = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 8))
+    opt = orthoptim.Muon([{"params": [first]}])
+    opt.add_param_group({"params": [second], "param_names": ["second"]})
+    assert opt.param_groups[0]["param_names"] == [opt.param_name(first)] and opt.param_name(second) == "second"
+    first.grad, second.grad = torch.randn(4, 4), torch.randn(4, 8)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())

@@ -185,6 +185,14 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._warn_rows_for_tall(merged, [(p, label) for (_, p), label in zip(named, labels)], index)
         if self.capturable:  # before the group is added: a refused group must leave no trace
             self._check_one_device([p for _, p in named], index)
+        # torch.optim wants all groups with param_names or none: a group without them next to named ones
+        # (param_groups() names its groups) gets its labels, and the reverse names the earlier groups.
+        named_before = [("param_names" in g) for g in self.param_groups]
+        if "param_names" not in param_group and any(named_before):
+            param_group = {**param_group, "param_names": labels}
+        elif "param_names" in param_group and named_before and not all(named_before):
+            for g in self.param_groups:
+                g.setdefault("param_names", [self.param_name(q) for q in g["params"]])
         super().add_param_group({**param_group, "params": raw})
         group = self.param_groups[-1]
         if self.capturable:
