@@ -232,6 +232,19 @@ def test_override_pattern_matching_nothing_raises():
         orthoptim.param_groups(model, overrides={"frozen.weight": {"algorithm": "adamw"}})
 
 
+def test_an_override_naming_a_tied_weight_by_its_second_name_says_which_name_to_use():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(VOCAB, D)
+            self.hidden = nn.Linear(D, D)
+            self.lm_head = nn.Linear(D, VOCAB, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    with pytest.raises(ValueError, match=re.escape("lm_head.weight is tied to wte.weight: use that name")):
+        orthoptim.param_groups(make(Tied), overrides={"lm_head.*": {"lr": 1e-3}})
+
+
 def test_bad_algorithm_arguments_raise():
     model = make()
     with pytest.raises(ValueError, match="scalar_algorithm='sgd'"):

@@ -160,7 +160,12 @@ def param_groups(
         group["param_names"].append(name)
     unused = sorted(set(overrides) - used_patterns)
     if unused:
-        raise ValueError(f"overrides pattern(s) {unused} matched no trainable parameter; check the names "
+        # A tied weight is listed once, under its first name: say which name a pattern should use.
+        first_name = {id(q): n for n, q in model.named_parameters()}
+        tied = sorted({f"{n} is tied to {first_name[id(q)]}" for n, q in model.named_parameters(remove_duplicate=False)
+                       if first_name.get(id(q)) != n and any(fnmatch.fnmatchcase(n, u) for u in unused)})
+        hint = f" ({'; '.join(tied)}: use that name)" if tied else ""
+        raise ValueError(f"overrides pattern(s) {unused} matched no trainable parameter{hint}; check the names "
                          "with [n for n, _ in model.named_parameters()]")
     return list(groups.values())
 
