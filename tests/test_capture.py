@@ -233,10 +233,12 @@ def test_nonfinite_flags_are_the_same_buffers_every_step():
     for p, g in zip(params, _grads(0)):
         p.grad = g
     opt.step()
-    flags, found = opt._nonfinite_flags[1], opt.nonfinite_found
+    (flag_set,) = opt._flag_sets.values()  # one set of parameters with gradients
+    flags, found = flag_set[1], opt.nonfinite_found
     params[1].grad[0, 0] = float("inf")
     opt.step()
-    assert opt._nonfinite_flags[1] is flags and opt.nonfinite_found is found  # what a graph would write
+    (flag_set,) = opt._flag_sets.values()
+    assert flag_set[1] is flags and opt.nonfinite_found is found  # what a graph would write
     assert bool(found)
     with pytest.raises(orthoptim.NonFiniteGradientError):
         opt.check_nonfinite()

@@ -95,6 +95,13 @@ class _Matrix:
 _eager_under_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
+def _refuse_a_set(params: Any, what: str) -> None:
+    """A set's order changes between runs, and with it the order of the state dict and Dion's initial factors."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"{what} is a set, whose order changes between runs (and with it the order of the state "
+                        "dict and Dion's initial factors); pass a list")
+
+
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
     return lambda *args: fn(*args)[0]
 
@@ -125,9 +132,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
         # The options each parameter was last checked under at step time (see _check_group_at_step).
         self._checked_options: dict[Tensor, tuple[Any, ...]] = {}
-        if isinstance(params, (set, frozenset)):  # torch.optim checks this in groups only
-            raise TypeError("params is a set, whose order changes between runs (and with it the order of the state "
-                            "dict and Dion's initial factors); pass a list")
+        _refuse_a_set(params, "params")  # torch.optim checks this in groups only
         super().__init__(params, full)
 
     # ----------------------------------------------------------------------------- copies
@@ -167,9 +172,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             )
         self._check_capturable_options(merged, f"param group {index}")
         raw = param_group["params"]
-        if isinstance(raw, (set, frozenset)):  # as torch.optim refuses it
-            raise TypeError(f"param group {index}: params is a set, whose order changes between runs (and with it "
-                            "the order of the state dict and Dion's initial factors); pass a list")
+        _refuse_a_set(raw, f"param group {index}: params")
         raw = [raw] if isinstance(raw, Tensor) else list(raw)
         named = [(p if isinstance(p, tuple) else (None, p)) for p in raw]
         offset = sum(len(g["params"]) for g in self.param_groups)

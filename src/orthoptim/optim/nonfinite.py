@@ -21,20 +21,17 @@ from torch import Tensor
 
 from orthoptim.distributed.dtensor import DTensor, Replicate, local_tensor
 from orthoptim.optim.capture import capturing
-from orthoptim.optim.validation import MATRIX_ALGORITHMS, READ_BY_ALL, READS
+from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by
 
 
 def _checked_keys(group: dict[str, Any]) -> list[str]:
     """The options of ``group`` the checksum covers: what its algorithm reads, lr aside (a user's own keys
     cannot change a collective, and their repr may differ by process: a set's order, an address)."""
-    return [key for key in (READS.get(group["algorithm"], frozenset()) | READ_BY_ALL | {"algorithm"})
-            if key != "lr" and key in group]
+    return [key for key in options_read_by(group["algorithm"]) if key != "lr" and key in group]
 
 
 def _described(value: Any) -> str:
-    """A group option as the checksum reads it: a tensor (lr) by nothing, a callable by its name."""
-    if isinstance(value, Tensor):
-        return "tensor"
+    """A group option as the checksum reads it: a callable by its name (its repr holds an address)."""
     if callable(value):
         return getattr(value, "__qualname__", type(value).__name__)
     return repr(value)
@@ -54,7 +51,6 @@ class GradientChecks:
         # Capturable: per set of parameters with gradients (by identity), its per-parameter flags.
         self._flag_sets: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._verdict_index: dict[tuple, Tensor] = {}  # see _positions_among
-        self._nonfinite_flags: tuple[list[Tensor], Tensor] | None = None
         # Whether a parameter is sharded over a mesh dimension none of the optimizer's meshes covers.
         self._beyond_meshes: dict[Tensor, bool] = {}
         self._checksums: tuple[tuple, Tensor] | None = None  # see _options_checksum
@@ -239,10 +235,9 @@ class GradientChecks:
             key = tuple(map(id, params))
             held = self._flag_sets.get(key)
             if held is None:
-                held = self._flag_sets[key] = (params, bad)
+                self._flag_sets[key] = (params, bad)
             else:
                 held[1].logical_or_(bad)
-            self._nonfinite_flags = held
             if self.nonfinite_found is None:
                 self.nonfinite_found = bad.any()
             else:
@@ -253,9 +248,7 @@ class GradientChecks:
         """Capturable optimizers: raise if a step since the last call saw a non-finite gradient (reads
         one flag from the device; call it outside the captured step, e.g. every few steps). The flags
         are cleared when it raises."""
-        if self._nonfinite_flags is None:
-            return
-        if not bool(self.nonfinite_found):
+        if self.nonfinite_found is None or not bool(self.nonfinite_found):
             return
         flags = list(self._flag_sets.values())
         names = list(dict.fromkeys(self.param_name(p) for params, bad in flags

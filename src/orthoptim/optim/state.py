@@ -21,7 +21,7 @@ from torch import Tensor
 
 from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
 from orthoptim.optim.matrix_view import MatrixView
-from orthoptim.optim.validation import READS, validate_group
+from orthoptim.optim.validation import options_read_by, validate_group
 from orthoptim.orthogonalize import normalize_columns
 
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
@@ -226,7 +226,7 @@ class StateKeeping:
             name = saved.get("orthogonalizer") if isinstance(saved, dict) else None
             if isinstance(name, str) and name.startswith(CALLABLE_MARK):
                 own = mine["orthogonalizer"]
-                reads = "orthogonalizer" in READS.get(saved.get("algorithm", mine["algorithm"]), ())
+                reads = "orthogonalizer" in options_read_by(saved.get("algorithm", mine["algorithm"]))
                 if reads and (not callable(own) or _callable_name(own) != name):
                     warnings.warn(
                         f"param group {index} of the loaded state dict was saved with the orthogonalizer "

@@ -31,20 +31,25 @@ READS: dict[str, frozenset[str]] = {
     "adamw": frozenset({"betas", "epsilon"}),
     "lion": frozenset({"betas"}),
 }
-READ_BY_ALL = frozenset({"algorithm", "lr", "weight_decay", "nonfinite"})
+_READ_BY_ALL = frozenset({"algorithm", "lr", "weight_decay", "nonfinite"})
+
+
+def options_read_by(algorithm: str) -> frozenset[str]:
+    """Every group option ``algorithm`` reads (none but the common ones for an unknown name)."""
+    return READS.get(algorithm, frozenset()) | _READ_BY_ALL
 
 
 def unread_options(given: Mapping[str, Any], algorithm: str, known: set[str] | frozenset[str]) -> list[str]:
     """The options among ``known`` that a group sets itself (``given``, without the optimizer's
     defaults) but its ``algorithm`` never reads, e.g. ``fraction`` on a Muon group: most likely meant
     for another algorithm, and otherwise silently without effect."""
-    reads = READS.get(algorithm, frozenset()) | READ_BY_ALL
+    reads = options_read_by(algorithm)
     return sorted(k for k in given if k in known and k not in reads)
 
 
 def readers_of(key: str) -> list[str]:
     """The algorithms that read the option ``key``."""
-    return [a for a in ALGORITHMS if key in READS[a] or key in READ_BY_ALL]
+    return [a for a in ALGORITHMS if key in options_read_by(a)]
 
 
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:
