@@ -43,7 +43,10 @@ def build(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int
     return {"kernel": fn.__name__, "num_warps": num_warps, "num_stages": num_stages,
             **{k: v for k, v in constexprs.items() if k.isupper()},
             "wgmma": "wgmma.mma_async" in ptx, "pipelined_buffers": max(buffers, default=1),
-            "shared_bytes": kernel.metadata.shared, **ptxas_info(ptx)}  # fmt: skip
+            "shared_bytes": kernel.metadata.shared,
+            # approximate fp32 division / square root (Dion3's coefficients must round like torch's)
+            "approx_div_sqrt": len(re.findall(r"\b(?:div\.full|div\.approx|sqrt\.approx)\.f32", ptx)),
+            **ptxas_info(ptx)}  # fmt: skip
 
 
 def ptxas_info(ptx: str) -> dict:
@@ -85,7 +88,7 @@ def dion3_rows() -> list[dict]:
                   {"stride_on": 1, "COMPUTE_SUMSQ": True, **block}, 4, 3),
             build(triton_dion3._row_coefficient_kernel,
                   {"sumsq_ptr": "*fp32", "v_ptr": "*fp32", "v_new_ptr": "*fp32", "coef_ptr": "*fp32", "k": "i32",
-                   "n": "i32", "step": "fp32", "beta2": "fp32", "eps": "fp32", "tiny": "fp32"},
+                   "n": "fp32", "step": "fp32", "beta2": "fp32", "eps": "fp32", "tiny": "fp32"},
                   {"BLOCK": triton_dion3.STATS_BLOCK}, 4, 3)]  # fmt: skip
     for is_list in (True, False):
         for selected_only in (True, False):
@@ -108,7 +111,7 @@ def main() -> None:
         flags = {k: v for k, v in r.items() if k.isupper() and k not in ("DOT_FP32", "EMULATE_BF16", "PRECISION")}
         print(f"{r['kernel']:<24} warps {r['num_warps']} stages {r['num_stages']} {flags}  wgmma={r['wgmma']}"
               f"  buffers={r['pipelined_buffers']}  smem={r['shared_bytes']}  regs={r['registers']}"
-              f"  spills={r['spill_bytes']}")  # fmt: skip
+              f"  spills={r['spill_bytes']}  approx_div_sqrt={r['approx_div_sqrt']}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "target": "sm_90a", "rows": rows}, f, indent=1)

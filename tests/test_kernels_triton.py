@@ -130,6 +130,61 @@ def test_symmetric_product_of_commuting_matrices(tk, size, dtype):
     _check_product(tk.sym.symmetric_product(r.to(DEVICE), p.to(DEVICE), block=16, block_k=16), exact, dtype)
 
 
+def test_symmetric_product_is_the_same_for_every_tile_size(tk):
+    """For P, Q that do not commute, P Q is not symmetric: the kernel returns its lower triangle,
+    mirrored, bit-equal whatever the tile (autotuning may choose another one in each process)."""
+    gen = _gen("tiles")
+    p, q = (_symmetric(2, 45, gen).to(torch.float32).to(DEVICE) for _ in range(2))
+    small = tk.sym.symmetric_product(p, q, block=16, block_k=16)
+    large = tk.sym.symmetric_product(p, q, block=32, block_k=16)
+    assert torch.equal(small, large)
+    exact = torch.tril(p.cpu().to(F64) @ q.cpu().to(F64))
+    exact = exact + torch.tril(exact, -1).mT
+    torch.testing.assert_close(small.cpu().to(F64), exact, rtol=0, atol=1e-4)
+
+
+def test_larger_batches_than_one_grid_launch_in_chunks(tk, monkeypatch):
+    """CUDA caps grid dimension 1 (the batch) at 65535: a larger batch runs in several launches."""
+    monkeypatch.setattr(tk.sym, "MAX_GRID_BATCH", 2)
+    x = torch.randn(5, 20, 33, generator=_gen("chunks"), dtype=F64)
+    r = _symmetric(5, 20, _gen("chunks-r"))
+    _check_product(tk.sym.gram(x.to(torch.float32).to(DEVICE), block=16), x @ x.mT, torch.float32)
+    exact = 2 * torch.eye(20, dtype=F64) - r + 0.5 * r @ r
+    got = tk.sym.symmetric_polynomial(r.to(torch.float32).to(DEVICE), 2.0, -1.0, 0.5, block=16)
+    _check_product(got, exact, torch.float32)
+
+
+@pytest.mark.parametrize("block", [8, 24, 0])
+def test_tile_sizes_must_be_powers_of_two_from_16(tk, block):
+    x = torch.randn(1, 20, 20).to(DEVICE)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        tk.sym.gram(x, block=block if block else 16, block_k=block or 12)
+
+
+def test_tf32_follows_either_torch_api(tk):
+    """fp32 inputs use TF32 exactly when torch allows it, set through the legacy flag or the
+    fp32_precision settings of torch >= 2.9 (once those are set, reading the legacy flag raises)."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch < 2.9 has only the legacy allow_tf32 flag")
+    saved = matmul.fp32_precision, torch.backends.fp32_precision
+    try:
+        assert tk.sym._precision(torch.bfloat16) == "tf32"  # 16-bit inputs: the argument is unused
+        for local, overall, expected in [("ieee", "none", "ieee"), ("tf32", "none", "tf32"),
+                                         ("none", "tf32", "tf32"), ("none", "ieee", "ieee"), ("ieee", "tf32", "ieee")]:
+            torch.backends.fp32_precision = overall
+            matmul.fp32_precision = local
+            assert tk.sym._precision(torch.float32) == expected, (local, overall)
+        torch.backends.fp32_precision, matmul.fp32_precision = "none", "none"
+        torch.set_float32_matmul_precision("high")
+        assert tk.sym._precision(torch.float32) == "tf32"
+        torch.set_float32_matmul_precision("highest")
+        assert tk.sym._precision(torch.float32) == "ieee"
+    finally:
+        torch.backends.fp32_precision = saved[1]
+        matmul.fp32_precision = saved[0]
+
+
 def test_autotune_tries_only_configs_that_fit_in_shared_memory(tk):
     """Hopper has 227 KiB of shared memory per block: every config fits 16-bit inputs; for fp32 the
     ones whose double-size buffers cannot fit are dropped before compiling (seconds each, then fail)."""

@@ -8,6 +8,7 @@ the kernels here were built in.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -27,6 +28,12 @@ if _LIBRARY_MODE in ("JITFunction", "InterpretedFunction") and (_LIBRARY_MODE ==
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r} differs from when triton was imported; "
         "set TRITON_INTERPRET=1 before the first `import triton` (and keep it set) to use the CPU interpreter"
     )
+
+
+def device_of(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``x``'s GPU the current one: Triton launches on the current device (and its current
+    stream), not on the inputs' device."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def emulate_bf16_rounding(dtype: torch.dtype) -> bool:

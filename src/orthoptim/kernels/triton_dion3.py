@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from orthoptim.kernels.triton_common import INTERPRET, emulate_bf16_rounding, to_output
+from orthoptim.kernels.triton_common import INTERPRET, device_of, emulate_bf16_rounding, to_output
 
 BLOCK_ROWS = 16 if INTERPRET else 32
 BLOCK_COLS = 32 if INTERPRET else 128
@@ -45,11 +45,11 @@ def _row_sumsq_kernel(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     batch = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < k
     # position[b, S[b, r]] = r: which selected row (if any) each parameter row is.
     rows = tl.load(index_ptr + batch * stride_ib + r, mask=r_ok, other=-1)
-    tl.store(position_ptr + batch * stride_pb + rows, r, mask=rows >= 0)  # −1 pads a ragged selection
+    tl.store(position_ptr + batch * stride_pb + rows, r.to(tl.int32), mask=rows >= 0)  # −1 pads a ragged selection
     if COMPUTE_SUMSQ:
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         cols = tl.arange(0, BLOCK_N)
@@ -65,7 +65,7 @@ def _row_sumsq_kernel(
 @triton.jit
 def _row_coefficient_kernel(
     sumsq_ptr, v_ptr, v_new_ptr, coef_ptr,
-    k, n, step, beta2, eps, tiny,
+    k, n, step, beta2, eps, tiny,  # n as a float: an int 1 would arrive as a constant
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     batch = tl.program_id(0).to(tl.int64)
@@ -77,21 +77,23 @@ def _row_coefficient_kernel(
         ok = (r0 + offs) < k
         s = tl.load(sumsq_ptr + base + r0 + offs, mask=ok, other=0.0)
         v = tl.load(v_ptr + base + r0 + offs, mask=ok, other=0.0)
-        mean = s / n
+        # Correctly rounded / and √ (compiled, Triton's defaults are approximate), as torch computes
+        # them: one program per matrix, so the cost is nothing.
+        mean = tl.div_rn(s, n)
         v_new = mean + beta2 * (v - mean)  # β₂V + (1−β₂)·mean(O²), as torch.lerp writes it
         tl.store(v_new_ptr + base + r0 + offs, v_new, mask=ok)
-        d = tl.sqrt(v_new) + eps
+        d = tl.sqrt_rn(v_new) + eps
         norm_o += s
-        norm_hat += tl.where(ok, s / (d * d), 0.0)
+        norm_hat += tl.where(ok, tl.div_rn(s, d * d), 0.0)
     # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the floor keeps 0/0 at 0.
-    ratio = tl.sqrt(tl.sum(norm_o, axis=0)) / tl.maximum(tl.sqrt(tl.sum(norm_hat, axis=0)), tiny)
+    ratio = tl.div_rn(tl.sqrt_rn(tl.sum(norm_o, axis=0)), tl.maximum(tl.sqrt_rn(tl.sum(norm_hat, axis=0)), tiny))
     for r0 in range(0, k, BLOCK):
         ok = (r0 + offs) < k
         s = tl.load(sumsq_ptr + base + r0 + offs, mask=ok, other=0.0)
         v = tl.load(v_ptr + base + r0 + offs, mask=ok, other=0.0)
-        mean = s / n
+        mean = tl.div_rn(s, n)
         v_new = mean + beta2 * (v - mean)  # recomputed: no read-after-write across threads
-        tl.store(coef_ptr + base + r0 + offs, -step * ratio / (tl.sqrt(v_new) + eps), mask=ok)
+        tl.store(coef_ptr + base + r0 + offs, tl.div_rn(-step * ratio, tl.sqrt_rn(v_new) + eps), mask=ok)
 
 
 @triton.jit
@@ -108,8 +110,9 @@ def _apply_kernel(
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     batch = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 rows and columns: rows · stride overflows int32 once a matrix holds 2³¹ elements.
+    r = tl.program_id(1).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(2).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     if SELECTED_ONLY:  # programs walk the selected rows: r is the position in S
         rows = tl.load(index_ptr + batch * stride_ib + r, mask=r < k, other=-1)
@@ -185,6 +188,12 @@ def dion3_post_update(
     ``normalize=False``, where O is used as it is and V is not read). Every size must be non-zero
     (the dispatcher in ``orthoptim.kernels`` sends empty problems to the torch reference).
     """
+    with device_of(params[0]):
+        return _post_update(params, index, o, v, lr=lr, weight_decay=weight_decay, scale=scale, beta2=beta2,
+                            eps=eps, normalize=normalize)
+
+
+def _post_update(params, index, o, v, *, lr, weight_decay, scale, beta2, eps, normalize):
     is_list = not isinstance(params, Tensor)
     first = params[0]
     batch, (m, n), k = o.shape[0], first.shape[-2:], o.shape[1]
@@ -209,7 +218,7 @@ def dion3_post_update(
             COMPUTE_SUMSQ=True, BLOCK_R=BLOCK_ROWS, BLOCK_N=BLOCK_COLS,
         )  # fmt: skip
         _row_coefficient_kernel[(batch,)](
-            sumsq, v.to(torch.float32).contiguous(), v_new, coef, k, n, float(step), float(beta2), float(eps),
+            sumsq, v.to(torch.float32).contiguous(), v_new, coef, k, float(n), float(step), float(beta2), float(eps),
             torch.finfo(torch.float32).tiny, BLOCK=STATS_BLOCK,
         )  # fmt: skip
     else:

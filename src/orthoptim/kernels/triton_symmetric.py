@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from orthoptim.kernels.triton_common import INTERPRET, emulate_bf16_rounding, to_output
+from orthoptim.kernels.triton_common import INTERPRET, device_of, emulate_bf16_rounding, to_output
 
 # Tile sizes the interpreter runs with (and tests may choose): small, so ragged edges are exercised.
 INTERPRETER_BLOCK = 16
@@ -32,6 +32,8 @@ INTERPRETER_BLOCK_K = 16
 
 # Shared memory per block on Hopper (H100/H200): 227 KiB.
 SHARED_MEMORY_BYTES = 227 * 1024
+# CUDA caps the second and third grid dimensions at 65535: larger batches are launched in chunks.
+MAX_GRID_BATCH = 65535
 
 
 def _autotune_configs() -> list[triton.Config]:
@@ -105,10 +107,15 @@ def _syrk_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < M
+    # The tile's first row and column as int64 offsets (rows · stride overflows int32 once a matrix
+    # holds 2³¹ elements); the offsets within a tile stay int32, which keeps registers free.
+    i = tl.arange(0, BLOCK)
+    row0 = (ti * BLOCK).to(tl.int64)
+    col0 = (tj * BLOCK).to(tl.int64)
 
     # Tile (ti, tj) of A Bᵀ: rows `rows` of A against rows `cols` of B, both read along K.
-    a_ptrs = a_ptr + batch * stride_ab + rows[:, None] * stride_am + ks[None, :] * stride_ak
-    b_ptrs = b_ptr + batch * stride_bb + cols[:, None] * stride_bm + ks[None, :] * stride_bk
+    a_ptrs = a_ptr + (batch * stride_ab + row0 * stride_am) + i[:, None] * stride_am + ks[None, :] * stride_ak
+    b_ptrs = b_ptr + (batch * stride_bb + col0 * stride_bm) + i[:, None] * stride_bm + ks[None, :] * stride_bk
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
@@ -124,17 +131,23 @@ def _syrk_kernel(
     out = acc * alpha
     mask = row_ok[:, None] & col_ok[None, :]
     if HAS_C:
-        c_ptrs = c_ptr + batch * stride_cb + rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        c_base = c_ptr + (batch * stride_cb + row0 * stride_cm + col0 * stride_cn)
+        c_ptrs = c_base + i[:, None] * stride_cm + i[None, :] * stride_cn
         out += beta * tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
     out += tl.where(rows[:, None] == cols[None, :], diag, 0.0)
-    if ti == tj:  # a diagonal tile of A Bᵀ is symmetric only up to round-off (exactly so when A = B)
-        out = (out + tl.trans(out)) * 0.5
     out = to_output(out, out_ptr, EMULATE_BF16)
 
+    # Only the lower half of a tile is stored as computed, and mirrored above the diagonal: below the
+    # diagonal that is the whole tile; a diagonal tile of A Bᵀ is symmetric only up to round-off (exactly
+    # so when A = B), and mirroring its lower half too makes every entry the same whatever the tile
+    # size (autotuning may pick another one in each process).
+    lower = rows[:, None] >= cols[None, :]
     o_base = out_ptr + batch * stride_ob
-    tl.store(o_base + rows[:, None] * stride_om + cols[None, :] * stride_on, out, mask=mask)
-    if ti != tj:  # the mirror image above the diagonal
-        tl.store(o_base + cols[:, None] * stride_om + rows[None, :] * stride_on, tl.trans(out), mask=tl.trans(mask))
+    tl.store(o_base + (row0 * stride_om + col0 * stride_on) + i[:, None] * stride_om + i[None, :] * stride_on, out,
+             mask=mask & lower)
+    mirror = mask & (rows[:, None] > cols[None, :])
+    tl.store(o_base + (col0 * stride_om + row0 * stride_on) + i[:, None] * stride_om + i[None, :] * stride_on,
+             tl.trans(out), mask=tl.trans(mirror))
 
 
 _syrk_tuned = triton.autotune(configs=_autotune_configs(), key=["M", "K"],
@@ -148,9 +161,30 @@ def _num_lower_tiles(m: int, block: int) -> int:
 
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs follow torch's matmul setting: exact fp32 ("ieee") unless TF32 is allowed."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and not tf32_allowed():
         return "ieee"
     return "tf32"
+
+
+def tf32_allowed() -> bool:
+    """Whether torch lets fp32 CUDA matmuls use TF32, by whichever API set it.
+
+    torch >= 2.9 has ``fp32_precision`` ("none" inherits the global ``torch.backends`` one); once it
+    is set, reading the legacy ``allow_tf32`` raises, so the legacy flag is read only before 2.9.
+    """
+    matmul = torch.backends.cuda.matmul
+    setting = getattr(matmul, "fp32_precision", None)
+    if setting is None:
+        return bool(matmul.allow_tf32)
+    if setting == "none":
+        setting = getattr(torch.backends, "fp32_precision", "none")
+    return setting == "tf32"
+
+
+def _check_tile(name: str, value: int) -> None:
+    # tl.dot needs every side >= 16, and tl.arange powers of two; the interpreter checks neither.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"syrk: {name}={value!r} must be a power of two >= 16")
 
 
 def syrk(
@@ -181,11 +215,10 @@ def syrk(
     out = torch.empty((batch, m, m), dtype=a.dtype, device=a.device)
     if out.numel() == 0:
         return out
-    c_arg = c if c is not None else out  # never read when HAS_C is False
-    args = (
-        a, b, c_arg, out, m, k, float(alpha), float(beta), float(diag),
-        *a.stride(), *b.stride(), *c_arg.stride(), *out.stride(),
-    )  # fmt: skip
+    if block is not None:
+        block_k = block_k or block
+        _check_tile("block", block)
+        _check_tile("block_k", block_k)
     flags = {
         "HAS_C": c is not None,
         "DOT_FP32": INTERPRET and a.dtype == torch.bfloat16,
@@ -194,12 +227,21 @@ def syrk(
     }
     if INTERPRET and block is None:
         block, block_k = INTERPRETER_BLOCK, INTERPRETER_BLOCK_K
-    if block is not None:
-        block_k = block_k or block
-        grid = (_num_lower_tiles(m, block), batch)
-        _syrk_kernel[grid](*args, **flags, BLOCK=block, BLOCK_K=block_k, num_warps=num_warps)
-    else:
-        _syrk_tuned[lambda meta: (_num_lower_tiles(m, meta["BLOCK"]), batch)](*args, **flags)
+    with device_of(a):
+        for start in range(0, batch, MAX_GRID_BATCH):
+            part = slice(start, start + MAX_GRID_BATCH)
+            a_part, b_part, out_part = a[part], b[part], out[part]
+            c_part = c[part] if c is not None else out_part  # never read when HAS_C is False
+            args = (
+                a_part, b_part, c_part, out_part, m, k, float(alpha), float(beta), float(diag),
+                *a.stride(), *b.stride(), *c_part.stride(), *out.stride(),
+            )  # fmt: skip
+            chunk = out_part.shape[0]
+            if block is not None:
+                grid = (_num_lower_tiles(m, block), chunk)
+                _syrk_kernel[grid](*args, **flags, BLOCK=block, BLOCK_K=block_k, num_warps=num_warps)
+            else:
+                _syrk_tuned[lambda meta, chunk=chunk: (_num_lower_tiles(m, meta["BLOCK"]), chunk)](*args, **flags)
     return out
 
 
