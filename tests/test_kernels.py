@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -318,3 +319,61 @@ def test_quack_backend_is_checked_per_product(monkeypatch):
         got = kernels.symmetric_polynomial(r, 1.5, -0.5, 0.25)
     want = 1.5 * torch.eye(16) - 0.5 * r + 0.25 * r @ r
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _fake_triton(monkeypatch, failing: set[str]):
+    """CPU tensors routed to Triton as CUDA ones would be under ``auto``, with a module whose
+    ``failing`` functions raise as Triton does on an image without a C compiler."""
+    calls = []
+
+    def kernel(name):
+        def run(*args, **kwargs):
+            calls.append(name)
+            if name in failing:
+                raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+            return getattr(torch_backend, name)(*args, **kwargs)
+        return run
+
+    module = type(sys)("fake_triton_kernels")
+    for name in ("gram", "symmetric_polynomial", "symmetric_product", "dion3_post_update"):
+        setattr(module, name, kernel(name))
+    module.supported = lambda params: True
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_triton_off", {})
+    monkeypatch.setattr(select, "triton_installed", lambda: True)
+    monkeypatch.setattr(select, "_on_cuda", lambda tensors: True)
+    monkeypatch.setattr(select, "triton_module", lambda name: module)
+    return calls
+
+
+def test_triton_kernel_that_fails_hands_over_to_torch_with_one_warning(monkeypatch):
+    calls = _fake_triton(monkeypatch, failing={"gram"})
+    x = torch.randn(2, select.MIN_TRITON_SIZE, 8, generator=torch.Generator().manual_seed(3))
+    assert kernels.backend(x, x.shape[-2]) == "triton"
+    with pytest.warns(RuntimeWarning, match="C compiler.*torch backend"):
+        got = kernels.gram(x)
+    torch.testing.assert_close(got, x @ x.mT)
+    assert kernels.backend(x, x.shape[-2]) == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, and the kernel is not tried again
+        torch.testing.assert_close(kernels.gram(x), x @ x.mT)
+    assert calls == ["gram"]
+    monkeypatch.setenv(select.ENV_VAR, "triton")  # forced: the error is the caller's to see
+    with pytest.raises(RuntimeError, match="C compiler"):
+        kernels.gram(x)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fused_dion3_triton_that_fails_leaves_the_torch_update(monkeypatch, normalize):
+    calls = _fake_triton(monkeypatch, failing={"dion3_post_update"})
+    params, index, o, v = dion3_problem(2, 12, 10, 4, torch.float32, seed=4, layout="list")
+    expected = [p.clone() for p in params]
+    expected_v = torch_backend.dion3_post_update(expected, index, o, v.clone(), normalize=normalize, **HYPER)
+    with pytest.warns(RuntimeWarning, match="triton_dion3"):
+        got_v = kernels.dion3_post_update(params, index, o, v, normalize=normalize, **HYPER)
+    assert calls == ["dion3_post_update"]
+    for p, e in zip(params, expected):
+        assert torch.equal(p, e)
+    assert (got_v is None) == (not normalize)
+    if normalize:
+        assert torch.equal(got_v, expected_v)

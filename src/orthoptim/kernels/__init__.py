@@ -6,7 +6,8 @@ problem is big enough to win; the symmetric products can also run on QuACK's ext
 kernels (``quack_symmetric``, the ``hopper`` extra), which fall back here on any failure, and, on
 CPUs, block by block with only the upper half computed (``cpu_symmetric``) where k is large enough.
 ``ORTHOPTIM_KERNELS=torch|triton|quack|blocked|auto`` overrides the choice (see ``select``). Triton and
-QuACK are optional: nothing here imports them until a CUDA tensor asks for them.
+QuACK are optional: nothing here imports them until a CUDA tensor asks for them, and under ``auto``
+a failing Triton kernel hands this and every later call to the torch backend (one warning).
 """
 
 from __future__ import annotations
@@ -21,6 +22,21 @@ from orthoptim.kernels.select import ENV_VAR, MIN_BLOCKED_SIZE, MIN_TRITON_SIZE
 
 _SYMMETRIC = "triton_symmetric"
 _DION3 = "triton_dion3"
+_FAILED = object()
+
+
+def _run_triton(module: str, function: str, *args: object, **kwargs: object) -> object:
+    """``module.function(*args, **kwargs)``, or ``_FAILED`` when it raised under ``auto`` (the module is
+    then turned off; see ``select.turn_off_triton``). Every Triton function here writes only fresh
+    tensors until its last launch, so the torch backend can redo the call from the same inputs.
+    ``ORTHOPTIM_KERNELS=triton`` raises the error instead."""
+    try:
+        return getattr(select.triton_module(module), function)(*args, **kwargs)
+    except Exception as error:
+        if select.requested() == "triton":
+            raise
+        select.turn_off_triton(module, error)
+        return _FAILED
 
 
 def backend(x: Tensor, size: int | None = None, inner: int | None = None) -> str:
@@ -42,8 +58,9 @@ def gram(x: Tensor, out: Tensor | None = None) -> Tensor:
     """
     if select.use_quack(x, size=x.shape[-2]) and (out := quack_symmetric.gram(x)) is not None:
         return out
-    if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC):
-        return select.triton_module(_SYMMETRIC).gram(x)
+    if select.use_triton(x, size=x.shape[-2], module=_SYMMETRIC) and \
+            (result := _run_triton(_SYMMETRIC, "gram", x)) is not _FAILED:
+        return result
     k, n = x.shape[-2:]
     if select.use_blocked(x, size=k, inner=n):
         return cpu_symmetric.gram(x, out=out, block=select.blocked_gram_rows(k, n))
@@ -54,8 +71,9 @@ def symmetric_polynomial(r: Tensor, a: float, b: float, c: float, out: Tensor | 
     """a I + b R + c R² for a batch of symmetric R [B, k, k] (``out``, if given, must not be ``r``)."""
     if select.use_quack(r, size=r.shape[-1]) and (out := quack_symmetric.symmetric_polynomial(r, a, b, c)) is not None:
         return out
-    if select.use_triton(r, size=r.shape[-1], module=_SYMMETRIC):
-        return select.triton_module(_SYMMETRIC).symmetric_polynomial(r, a, b, c)
+    if select.use_triton(r, size=r.shape[-1], module=_SYMMETRIC) and \
+            (result := _run_triton(_SYMMETRIC, "symmetric_polynomial", r, a, b, c)) is not _FAILED:
+        return result
     if select.use_blocked(r, size=r.shape[-1]):
         return cpu_symmetric.symmetric_polynomial(r, a, b, c, out=out)
     return torch_backend.symmetric_polynomial(r, a, b, c, out=out)
@@ -70,8 +88,9 @@ def symmetric_product(p: Tensor, q: Tensor, out: Tensor | None = None) -> Tensor
     if p.dtype == q.dtype and select.use_quack(p, q, size=p.shape[-1]) and \
             (out := quack_symmetric.symmetric_product(p, q)) is not None:
         return out
-    if p.dtype == q.dtype and select.use_triton(p, q, size=p.shape[-1], module=_SYMMETRIC):
-        return select.triton_module(_SYMMETRIC).symmetric_product(p, q)
+    if p.dtype == q.dtype and select.use_triton(p, q, size=p.shape[-1], module=_SYMMETRIC) and \
+            (result := _run_triton(_SYMMETRIC, "symmetric_product", p, q)) is not _FAILED:
+        return result
     if p.dtype == q.dtype and select.use_blocked(p, q, size=p.shape[-1]):
         return cpu_symmetric.symmetric_product(p, q, out=out)
     return torch_backend.symmetric_product(p, q, out=out)
@@ -96,14 +115,13 @@ def dion3_post_update(
     See ``torch_backend.dion3_post_update`` for the contract; the Triton kernel (CUDA) computes the
     same in fewer passes over X.
     """
+    options = {"lr": lr, "weight_decay": weight_decay, "scale": scale, "beta2": beta2, "eps": eps,
+               "normalize": normalize}
     # The Triton kernel takes lr as a number; a tensor lr (capturable) uses the torch backend.
-    if not isinstance(lr, Tensor) and _dion3_triton(params, index, o, v, normalize):
-        kernel = select.triton_module(_DION3).dion3_post_update
-    else:
-        kernel = torch_backend.dion3_post_update
-    return kernel(
-        params, index, o, v, lr=lr, weight_decay=weight_decay, scale=scale, beta2=beta2, eps=eps, normalize=normalize
-    )
+    if not isinstance(lr, Tensor) and _dion3_triton(params, index, o, v, normalize) and \
+            (result := _run_triton(_DION3, "dion3_post_update", params, index, o, v, **options)) is not _FAILED:
+        return result  # type: ignore[return-value]
+    return torch_backend.dion3_post_update(params, index, o, v, **options)
 
 
 def _dion3_triton(
@@ -120,7 +138,7 @@ def _dion3_triton(
         return False
     if index.device != o.device or (normalize and (v is None or v.dtype != torch.float32 or v.device != o.device)):
         return False
-    return select.triton_module(_DION3).supported(params)
+    return _run_triton(_DION3, "supported", params) is True  # importing the module may fail too
 
 
 __all__ = [

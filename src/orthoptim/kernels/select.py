@@ -16,13 +16,16 @@
   for everything else (e.g. float64). Raises ImportError when ``triton`` is not installed.
 
 The Triton modules are imported lazily, the first time a CUDA tensor (or the ``triton`` override)
-asks for them: ``import orthoptim`` never imports triton.
+asks for them: ``import orthoptim`` never imports triton. Under ``auto``, a Triton kernel that fails
+(no C compiler for Triton's launcher, a config that does not compile on this GPU) warns once and its
+module is not chosen again in this process (``turn_off_triton``): the torch backend runs instead.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from functools import cache
 from types import ModuleType
 
@@ -79,10 +82,32 @@ def triton_module(name: str) -> ModuleType:
     return importlib.import_module(f"orthoptim.kernels.{name}")
 
 
+# Triton modules turned off under ``auto`` after a failure: module name → the error.
+_triton_off: dict[str, str] = {}
+
+
+def turn_off_triton(module: str, error: BaseException) -> None:
+    """Stop choosing the Triton ``module`` under ``auto`` in this process, with one warning."""
+    if module in _triton_off:
+        return
+    _triton_off[module] = f"{type(error).__name__}: {error}"
+    warnings.warn(
+        f"orthoptim: a Triton kernel of orthoptim.kernels.{module} failed ({_triton_off[module]}); "
+        f"the torch backend runs its products from now on in this process. Set {ENV_VAR}=triton to "
+        f"raise the error instead, or {ENV_VAR}=torch not to try Triton",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:
+    return all(t.is_cuda for t in tensors)
+
+
 def _triton_can_run(tensors: tuple[Tensor, ...], module: str) -> bool:
     if any(t.dtype not in TRITON_DTYPES for t in tensors):
         return False
-    if all(t.is_cuda for t in tensors):
+    if _on_cuda(tensors):
         return True
     # CPU tensors only run under the interpreter, i.e. when the kernels were built by it.
     return all(t.device.type == "cpu" for t in tensors) and triton_module(module).INTERPRET
@@ -136,7 +161,7 @@ def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
         return False
     if choice == "triton":
         return _triton_can_run(tensors, module)
-    if not triton_installed() or not all(t.is_cuda for t in tensors):
+    if module in _triton_off or not triton_installed() or not _on_cuda(tensors):
         return False
     if size is not None and size < MIN_TRITON_SIZE:
         return False
