@@ -28,6 +28,9 @@ OUT=$(cd "$1" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$(command -v python3 || command -v python)}
 export PYTHONUNBUFFERED=1  # output reaches the logs even when a step is stopped at its cap
+# Each benchmark picks its backends itself: an inherited ORTHOPTIM_KERNELS=torch would make every rung a
+# torch one (TRITON_INTERPRET is unset below, with a message).
+unset ORTHOPTIM_KERNELS
 # The checkout's own package, installed or not (a GPU image may hold torch and triton but no orthoptim).
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 

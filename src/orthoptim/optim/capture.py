@@ -100,6 +100,19 @@ class CapturedStep:
         if not (torch.cuda.is_available() and params and all(p.is_cuda for p in params)):
             self.optimizer.step()  # capture is a CUDA feature; elsewhere the step runs eagerly
             return
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"CapturedStep: the parameters are on {len(devices)} GPUs ({sorted(map(str, devices))}); a CUDA "
+                "graph records one device's stream, so work on the others would run once and never replay. "
+                "Build one optimizer (and one CapturedStep) per device"
+            )
+        # Streams, the graph and every kernel of the step belong to the parameters' device, which
+        # need not be the current one.
+        with torch.cuda.device(params[0].device):
+            self._step()
+
+    def _step(self) -> None:
         layout = self._current_layout()
         if self.graph is not None:
             if layout != self._layout:
