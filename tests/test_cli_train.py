@@ -300,16 +300,54 @@ def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, capsys, comm
     assert target.read_text() == "not a folder"
 
 
-def test_a_seed_beyond_torchs_range_is_a_usage_error(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_a_seed_beyond_torchs_range_is_a_usage_error(tmp_path, capsys, command):
     with pytest.raises(SystemExit) as info:  # argparse's own exit for a bad value
-        _train(tmp_path, "--optimizer", "adamw", "--steps", "2", "--seed", str(2**70), "--out", str(tmp_path / "r"))
+        if command == "train":
+            _train(tmp_path, "--optimizer", "adamw", "--steps", "2", "--seed", str(2**70), "--out", str(tmp_path / "r"))
+        else:
+            main(["bench", "--d-model", "8", "--layers", "1", "--seed", str(2**70), "--out", str(tmp_path / "r")])
     assert info.value.code == 2 and "--seed" in (err := capsys.readouterr().err) and "below 2**63" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_flags_that_take_zero_say_so(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _train(tmp_path, "--save-every", "-1")
+    assert "--save-every: -1 must be an integer >= 0" in capsys.readouterr().err
 
 
 def test_a_stopped_run_says_which_step_its_val_loss_is_from(tmp_path, capsys):
     assert _train(tmp_path, "--optimizer", "adamw", "--steps", "6", "--stop-at", "3", "--no-plot",
                   "--out", str(tmp_path / "run")) == 0
     assert "val loss is that of the last evaluation (adamw at step 2 of 3)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("clip", ["0", "1.0"])
+def test_the_logged_grad_norm_is_the_whole_gradients_for_every_optimizer(tmp_path, clip):
+    """Same init, same first batch: the same gradient, whatever the optimizer and whatever --clip
+    clips (only the Adam-type parameters); it used to be the clipped parameters' norm, or 0 without --clip."""
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--compare", "dion3,adamw", "--steps", "1", "--clip", clip, "--no-plot",
+                  "--out", str(out)) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    first = [runs[name]["history"]["grad_norm"][0] for name in ("dion3", "adamw")]
+    assert first[0] == first[1] > 0
+
+
+def test_data_and_cache_paths_are_saved_absolute(tmp_path, monkeypatch):
+    """A relative --data resumes, and its reproduce command runs, from any working folder."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "t.txt").write_text("a relative path to a small text file. " * 300)
+    monkeypatch.chdir(work)
+    assert main(["train", *TINY, "--cache-dir", "cache", "--quiet", "--no-plot", "--optimizer", "adamw",
+                 "--data", "t.txt", "--steps", "4", "--stop-at", "2", "--out", "run"]) == 0
+    config = json.loads((work / "run" / "config.json").read_text())["config"]
+    assert config["data"] == str(work / "t.txt") and config["cache_dir"] == str(work / "cache")
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", str(work / "run"), "--quiet", "--no-plot", "--threads", "1"]) == 0
+    assert json.loads((work / "run" / "results.json").read_text())["runs"]["adamw"]["finished"]
 
 
 def test_medians_leave_out_the_cold_first_step_of_a_resumed_job():

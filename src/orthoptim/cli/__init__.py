@@ -38,6 +38,37 @@ def check_out_dir(path: Path, create: bool = False) -> None:
                 from None
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _integer(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be an integer >= 0")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed torch.manual_seed takes (0 <= seed < 2**63)."""
+    value = non_negative_int(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text} is too large; use a seed below 2**63")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, but every error is one line (the usage is one --help away)."""
 

@@ -22,7 +22,7 @@ from orthoptim.benchmark import (
     orthogonalizer_callables,
     time_steps,
 )
-from orthoptim.cli import HelpFormatter, UsageError, check_out_dir
+from orthoptim.cli import HelpFormatter, UsageError, check_out_dir, seed_int
 from orthoptim.train.loop import environment
 from orthoptim.train.results import format_table, plot_bench, plots_available, write_json, write_text
 
@@ -106,7 +106,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--no-accuracy", action="store_true", help="skip the orthogonalization accuracy column")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: torch's choice, one per core)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the parameters, gradients and accuracy matrices")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the parameters, gradients and accuracy matrices")
     p.add_argument("--out", default=None, metavar="DIR", help="output folder (default: runs/bench-YYYYmmdd-HHMMSS)")
     p.add_argument("--no-plot", action="store_true", help="do not write bench.png")
     p.add_argument("--quiet", action="store_true", help="no per-optimizer progress lines")

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orthoptim.cli import CommandError, HelpFormatter, UsageError, check_out_dir
+from orthoptim.cli import (
+    CommandError,
+    HelpFormatter,
+    UsageError,
+    check_out_dir,
+    non_negative_int,
+    positive_int,
+    seed_int,
+)
 from orthoptim.train import data as datamod
 from orthoptim.train.loop import (
     CPU_HSDP_MIN_TORCH,
@@ -79,27 +87,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 RESUME_OPTIONS = {"device", "cache_dir", "stop_at", "quiet", "no_plot", "threads", "parallel", "hsdp"}
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive integer")
-    return value
-
-
-def _seed(text: str) -> int:
-    value = _non_negative_int(text)
-    if value >= 2**63:  # torch.manual_seed's range
-        raise argparse.ArgumentTypeError(f"{text} is too large; use a seed below 2**63")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    return 0 if text.strip() == "0" else _positive_int(text)
-
-
 def _finite_float(text: str) -> float:
     try:
         value = float(text)
@@ -134,7 +121,7 @@ def _mesh_shape(text: str) -> tuple[int, int]:
     parts = text.split(",")
     if len(parts) != 2:
         raise argparse.ArgumentTypeError(f"{text!r}: give R,S (replicas, processes per replica), e.g. 2,4")
-    replicas, shards = (_positive_int(part.strip()) for part in parts)
+    replicas, shards = (positive_int(part.strip()) for part in parts)
     return replicas, shards
 
 
@@ -176,7 +163,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     what.add_argument("--resume", metavar="DIR",
                       help="continue the run in DIR (its config.json and checkpoints): finished optimizers are kept, "
                            "the others continue from their last checkpoint with the same schedule and batches")
-    what.add_argument("--stop-at", type=_positive_int, metavar="STEP",
+    what.add_argument("--stop-at", type=positive_int, metavar="STEP",
                       help="stop every optimizer after this step (checkpoint written), e.g. to split a long run "
                            "into jobs; continue with --resume")
     what.add_argument("--quiet", action="store_true", help="no progress line (the summary is still printed)")
@@ -191,25 +178,25 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                            "~/.cache/orthoptim)")
     data.add_argument("--corpus-mb", type=_finite_float, metavar="MB",
                       help=f"size of the built-in corpus: MiB of standard-library source (default: {d.corpus_mb:g})")
-    data.add_argument("--vocab-size", type=_positive_int, metavar="N",
+    data.add_argument("--vocab-size", type=positive_int, metavar="N",
                       help="vocabulary size (default: 256 for text, largest token id + 1 rounded up to 64 for shards)")
 
     model = p.add_argument_group("model (a pre-norm GPT without biases)")
-    model.add_argument("--n-layer", "--layers", type=_positive_int, dest="n_layer", metavar="N",
+    model.add_argument("--n-layer", "--layers", type=positive_int, dest="n_layer", metavar="N",
                        help=f"transformer blocks (default: {d.n_layer})")
-    model.add_argument("--n-head", "--heads", type=_positive_int, dest="n_head", metavar="N",
+    model.add_argument("--n-head", "--heads", type=positive_int, dest="n_head", metavar="N",
                        help=f"attention heads (default: {d.n_head})")
-    model.add_argument("--d-model", type=_positive_int, metavar="N", help=f"width (default: {d.d_model})")
-    model.add_argument("--context", type=_positive_int, metavar="T",
+    model.add_argument("--d-model", type=positive_int, metavar="N", help=f"width (default: {d.d_model})")
+    model.add_argument("--context", type=positive_int, metavar="T",
                        help=f"tokens per training sequence (default: {d.context})")
-    model.add_argument("--mlp-ratio", type=_positive_int, metavar="R",
+    model.add_argument("--mlp-ratio", type=positive_int, metavar="R",
                        help=f"MLP hidden width / d_model (default: {d.mlp_ratio})")
     model.add_argument("--positions", choices=("rope", "learned"),
                        help=f"rotary position embedding or a learned position table (default: {d.positions})")
 
     opt = p.add_argument_group("optimization")
-    opt.add_argument("--steps", type=_positive_int, metavar="N", help=f"training steps (default: {d.steps})")
-    opt.add_argument("--batch-size", type=_positive_int, metavar="B",
+    opt.add_argument("--steps", type=positive_int, metavar="N", help=f"training steps (default: {d.steps})")
+    opt.add_argument("--batch-size", type=positive_int, metavar="B",
                      help=f"sequences per step (default: {d.batch_size})")
     opt.add_argument("--lr", type=_lr_spec, metavar="LR",
                      help="peak learning rate: one number for every optimizer or NAME=LR,... per optimizer "
@@ -234,17 +221,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="dion3, dion2 under --fsdp/--hsdp: 'global' picks the rows one process would, so the "
                           "result does not depend on the layout; 'local' picks the top rows of each shard and "
                           f"sends fewer bytes; no effect on one process or DDP (default: {d.selection_scope})")
-    opt.add_argument("--seed", type=_seed, metavar="S", help=f"seed of the weights and batches (default: {d.seed})")
+    opt.add_argument("--seed", type=seed_int, metavar="S", help=f"seed of the weights and batches (default: {d.seed})")
 
     run_group = p.add_argument_group("evaluation, checkpoints, hardware")
-    run_group.add_argument("--eval-every", type=_positive_int, metavar="N",
+    run_group.add_argument("--eval-every", type=positive_int, metavar="N",
                            help=f"validate every N steps (default: {d.eval_every})")
-    run_group.add_argument("--eval-batches", type=_positive_int, metavar="N",
+    run_group.add_argument("--eval-batches", type=positive_int, metavar="N",
                            help=f"batches per validation, the same windows every time (default: {d.eval_batches})")
-    run_group.add_argument("--save-every", type=_non_negative_int, metavar="N",
+    run_group.add_argument("--save-every", type=non_negative_int, metavar="N",
                            help=f"checkpoint every N steps, 0 = only at the end (default: {d.save_every})")
     run_group.add_argument("--device", metavar="DEV", help=f"cpu, cuda or cuda:N (default: {d.device})")
-    run_group.add_argument("--threads", type=_positive_int, metavar="N",
+    run_group.add_argument("--threads", type=positive_int, metavar="N",
                            help="CPU threads for torch (default: torch's choice, one per core); on a busy machine "
                                 "--threads 1 avoids threads waiting on each other")
     run_group.add_argument("--autocast", choices=("auto", "bf16", "off"),
@@ -281,9 +268,16 @@ def resolve_config(given: dict[str, Any]) -> TrainConfig:
     lr = given.get("lr")
     if isinstance(lr, float):
         values["lr"] = dict.fromkeys(values["optimizers"], lr)
+    values.update(_absolute_paths(values))
     cfg = TrainConfig.from_dict(values)
     check_config(cfg)
     return cfg.resolved()
+
+
+def _absolute_paths(values: dict[str, Any]) -> dict[str, str]:
+    """--data and --cache-dir as absolute paths, so that config.json, --resume and the reproduce
+    command mean the same files from any working folder."""
+    return {k: str(Path(values[k]).expanduser().absolute()) for k in ("data", "cache_dir") if values.get(k)}
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -353,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             saved = json.loads(config_file.read_text())
             values = saved["config"]
-            cfg = TrainConfig.from_dict({**values, **{k: v for k, v in given.items() if k in ("device", "cache_dir")}})
+            changed = {k: v for k, v in given.items() if k in ("device", "cache_dir")}
+            cfg = TrainConfig.from_dict({**values, **changed, **_absolute_paths(changed)})
         except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
             raise CommandError(f"--resume {out_dir}: {config_file} cannot be read as this command's configuration "
                                f"({type(e).__name__}: {e}); `orthoptim train` writes it: do not edit it") from None
@@ -390,8 +385,11 @@ def run(args: argparse.Namespace) -> int:
             # error the other ranks may never reach a barrier.
             dist.barrier()
     except KeyboardInterrupt:
-        print(f"\northoptim train: interrupted; continue from the last checkpoint (every {cfg.save_every} steps) "
-              f"with: orthoptim train --resume {out_dir}", file=sys.stderr)
+        saved = (f"the last checkpoint (every {cfg.save_every} steps)" if cfg.save_every else
+                 "the optimizers that finished (--save-every 0 checkpoints only at the end: the interrupted "
+                 "one starts again)")
+        print(f"\northoptim train: interrupted; continue from {saved} with: orthoptim train --resume {out_dir}",
+              file=sys.stderr)
         return 130
     finally:
         if dist.is_initialized():

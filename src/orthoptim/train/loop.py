@@ -452,9 +452,12 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         with _autocast(cfg, device):
             _, loss = net(x, y)
         loss.backward()
-        # Under FSDP the gradients are DTensor shards; clip_grad_norm_ reduces their norms over the
-        # mesh, so this is the norm of the whole gradient, as on one process.
-        grad_norm = torch.nn.utils.clip_grad_norm_(clipped, cfg.clip) if cfg.clip > 0 else torch.zeros(())
+        # The logged norm is the whole model's gradient, before clipping, so that it compares across
+        # optimizers (clipping sees only the Adam-type parameters). Under FSDP the gradients are
+        # DTensor shards; both norms are reduced over the mesh, as on one process.
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_(clipped, cfg.clip)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         _sync(device)
