@@ -2,27 +2,62 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def atomic_write_bytes(path: str | Path, data: bytes | bytearray) -> None:
     """Write to a temporary file in the same folder, then rename it over ``path``."""
+    _atomic_write(path, lambda f: f.write(data))
+
+
+def _atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write`` into a temporary file in ``path``'s folder, flushed to disk, then renamed over
+    ``path``: after Ctrl-C, a kill or a crash, ``path`` is the old file or the new one, whole.
+    Temporary files that a killed process left behind (``.NAME.PID.tmp``) are removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = stale.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.unlink(missing_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    if hasattr(os, "O_DIRECTORY"):  # the rename itself, on file systems that need the folder synced
+        try:
+            folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            os.fsync(folder)
+        except OSError:
+            pass
+        finally:
+            os.close(folder)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, but another user's
+        return True
+    return True
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -37,14 +72,7 @@ def save_torch(path: str | Path, obj: Any) -> None:
     """torch.save, atomically (checkpoints)."""
     import torch
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence[bool] | None = None) -> str:
