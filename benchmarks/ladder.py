@@ -10,7 +10,10 @@ every product a plain bmm (``muon_bmm``), + symmetric kernels everywhere, + Gram
 fraction 1/2, 1/4, 1/8, Dion at rank 1/4, and torch.optim.Muon as an outside reference.
 Sets: the matrices of a GPT (q, k, v, o, MLP up and down per layer, nn.Linear layout) from
 ``orthoptim.benchmark.PRESETS``; ``NAME:L`` keeps the widths and takes L layers (a step's time,
-FLOPs and bytes grow linearly with L; ratios and passes do not change). 7b is GPU-only.
+FLOPs, bytes and state grow linearly with L; the time ratios, passes and state ratio do not change;
+the transient memory does not grow with L: the step orthogonalizes a big megabatch in up to four
+parts, so its ratio to the megabatch falls as L grows, e.g. Muon 3.5x at d512:1, 0.88x at d512:4).
+7b is GPU-only.
 
 Per rung: median ms of --repeats timed steps after --warmup untimed ones; ratios to muon, to
 adamw (foreach) and to adamw_fused; then from one more, untimed step under the counters of
@@ -29,6 +32,7 @@ after every rung, so a killed run keeps what it measured) and --png (needs matpl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -237,11 +241,13 @@ def device_limits(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     return limits
 
 
-def torch_kernels() -> AbstractContextManager[None]:
-    """Count a step as the torch backend computes it: Triton kernels launch outside aten, where the
-    counters cannot see them. The FLOPs of symmetric products are then dense-equivalent (the Triton
-    kernels compute about half of each); timing and the CUDA memory peak use the real kernels."""
-    return environment_variable(kernels.ENV_VAR, "torch")
+def counted_kernels(device: torch.device) -> AbstractContextManager[None]:
+    """On GPUs, count a step as the torch backend computes it: Triton kernels launch outside aten,
+    where the counters cannot see them. The FLOPs of symmetric products are then dense-equivalent
+    (the Triton kernels compute about half of each); timing and the CUDA memory peak use the real
+    kernels. On CPUs the blocked symmetric products are aten GEMMs on views, which the counters see:
+    the counted step is the timed one."""
+    return environment_variable(kernels.ENV_VAR, "torch") if device.type != "cpu" else contextlib.nullcontext()
 
 
 def run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype,
@@ -276,7 +282,7 @@ def _run_rung(rung: Rung, shapes: list[tuple[int, int]], device: torch.device, d
     for _ in range(max(args.warmup, 1)):
         opt.step()
     cuda = device.type == "cuda"
-    with torch_kernels():
+    with counted_kernels(device):
         counts = count_step(opt.step, params, device)  # untimed: the counters slow the step down
     peak, source = counts.peak_transient_bytes, counts.transient_source
     if cuda:  # the allocator's peak over the timed steps, with the kernels they really use
@@ -325,7 +331,7 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = ["set", "optimizer", "median ms", "vs muon", "vs adamw", "vs fused", "GFLOP/step", "GB moved", "passes (ew)",
-            "state MB (×params)", "peak transient MB (×megabatch)", "GFLOP/s", "GB/s", "note"]
+            "state MiB (×params)", "peak transient MiB (×megabatch)", "GFLOP/s", "GB/s", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * 2 + ["---:"] * (len(head) - 3) + ["---"]) + "|"]
     for r in rows:
         if r["median_ms"] is None:
@@ -432,7 +438,8 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
     print(markdown_table(rows))
     print("\npasses: bytes moved / parameter bytes (ew: without matrix products); transient: peak bytes allocated "
           "during the step beyond parameters, gradients and state "
-          f"({'CUDA allocator' if cuda else 'dispatch-level tracker'})\n")
+          f"({', '.join(sorted({r['transient_source'] for r in rows if 'transient_source' in r})) or 'none'}); "
+          "MiB = 2**20 bytes, GB = 10**9\n")
     if top_ops:
         print(top_ops_table(rows))
     if png:

@@ -65,6 +65,9 @@ def test_elementwise_bytes():
     xs, ys = [torch.randn(n) for _ in range(3)], [torch.randn(n) for _ in range(3)]
     counts = count_step(lambda: torch._foreach_add_(xs, ys), xs)
     assert counts.bytes_moved == 3 * 3 * n * F32 and counts.passes == 3.0
+    assert count_step(lambda: x.addcmul_(y, y), [x]).bytes_moved == 3 * n * F32  # y is read once
+    a, b = torch.randn(4, 64, 32), torch.randn(32, 16)  # matmul folds a into a 2-D view (_unsafe_view)
+    assert count_step(lambda: a @ b, [a]).bytes_moved == (4 * 64 * 32 + 32 * 16 + 4 * 64 * 16) * F32
 
 
 def test_gathers_and_scatters_touch_only_the_selected_rows():
@@ -75,6 +78,7 @@ def test_gathers_and_scatters_touch_only_the_selected_rows():
     assert count_step(lambda: m.index_select(0, idx), [m]).bytes_moved == 2 * 3 * 50 * F32 + index_bytes
     assert count_step(lambda: m.index_copy_(0, idx, rows), [m]).bytes_moved == 2 * 3 * 50 * F32 + index_bytes
     assert count_step(lambda: m.index_add_(0, idx, rows), [m]).bytes_moved == 3 * 3 * 50 * F32 + index_bytes
+    assert count_step(lambda: m.index_fill_(0, idx, 0.0), [m]).bytes_moved == 3 * 50 * F32 + index_bytes
 
 
 def test_transient_of_a_known_temporary():
@@ -89,7 +93,35 @@ def test_transient_of_a_known_temporary():
 
     counts = count_step(step, [torch.zeros(1)])
     assert counts.peak_transient_bytes == 2 * n
-    assert counts.transient_source == "dispatch tracker"
+    assert counts.transient_source == "cpu profiler"
+    with TrafficMode() as mode:  # the tracker, where the profiler cannot report allocations
+        step()
+    assert mode.peak_bytes == 2 * n
+
+
+def test_transient_includes_what_an_op_allocates_inside_itself():
+    """An SVD's LAPACK workspace is no output of any op: the CPU profiler's allocations see it, the
+    dispatch tracker (outputs only) does not."""
+    a = torch.randn(300, 200, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    outputs = (300 * 200 + 200 + 200 * 200) * 8
+
+    def step():
+        u, s, vh = torch.linalg.svd(a, full_matrices=False)
+        del u, s, vh
+
+    with TrafficMode() as mode:
+        step()
+    assert mode.peak_bytes == outputs
+    assert count_step(step, [torch.zeros(1)]).peak_transient_bytes > outputs
+
+
+def test_an_out_tensor_that_an_op_resizes_is_an_allocation():
+    x = torch.randn(256, 256)
+    with TrafficMode() as mode:
+        y = torch.mul(x, 2, out=torch.empty(0))
+        assert mode.live_bytes == x.numel() * F32
+        del y
+    assert mode.peak_bytes == x.numel() * F32
 
 
 def test_transient_released_before_the_step_ends_and_views_are_not_allocations():
@@ -150,6 +182,47 @@ def test_muon_step_counts():
     # Per iteration: A = X Xᵀ (bmm), aI + bA + cA² (baddbmm), then (aI + bA + cA²) X (bmm), except
     # in the last, where that product is the addmm_ that also decays and updates the parameter.
     assert ops["bmm"]["calls"] == 9 and ops["baddbmm"]["calls"] == 5 and ops["addmm_"]["calls"] == 1
+
+
+@pytest.mark.parametrize(("iterations", "restarts"), [("float32", 1), ("bfloat16", 2)])
+def test_gram_newton_schulz_step_flops(monkeypatch, iterations, restarts):
+    """Gram NS on one k×n matrix, every product dense (k below the blocked sizes). k×n products:
+    R = X Xᵀ at the start and after each restart, Q X at each restart and at the end, 2k²n each.
+    k×k products (2k³ each), per iteration: the polynomial P, Q ← Q P (not on the first iteration
+    after a (re)start, where Q = P) and R ← P R P (two; not before a restart or at the end)."""
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", iterations)
+    k, n = 8, 32
+    params = make_params([(k, n)])
+    opt = orthoptim.Muon(params, orthogonalizer="gram")
+    opt.step()
+    restart_at = {2} if restarts == 1 else {2, 4}
+    small = 0
+    for i in range(5):
+        fresh = i == 0 or i in restart_at
+        small += 1 + (0 if fresh else 1) + (0 if i == 4 or i + 1 in restart_at else 2)
+    wide = 2 + 2 * restarts  # R at the start and per restart; Q X per restart and at the end
+    assert count_step(opt.step, params).flops == wide * 2 * k * k * n + small * 2 * k**3
+
+
+def test_dion3_step_flops_are_the_selected_rows_gram_newton_schulz(monkeypatch):
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "float32")
+    m, n, fraction = 32, 16, 0.25
+    params = make_params([(m, n)])
+    opt = orthoptim.Dion3(params, fraction=fraction)
+    opt.step()
+    k = math.ceil(fraction * m)  # 8 rows of 16: fp32 Gram NS with one restart (the test above)
+    assert count_step(opt.step, params).flops == 8 * k * k * n + 28 * k**3
+
+
+def test_dion_step_flops():
+    """Rank r on m×n: P = B Q and R = Bᵀ P, the error feedback P Rᵀ and the update P Q'ᵀ (2mnr each);
+    Cholesky-QR twice on P: PᵀP (2mr²), the Cholesky factor (r³/3), the triangular solve (mr²)."""
+    m, n = 24, 16
+    params = make_params([(m, n)])
+    opt = orthoptim.Dion(params, rank_fraction=0.25)
+    opt.step()
+    r = math.ceil(min(m, n) / 4)
+    assert count_step(opt.step, params).flops == 4 * 2 * m * n * r + 2 * (3 * m * r * r + int(r**3 / 3))
 
 
 def test_symmetric_newton_schulz_equals_standard():

@@ -6,16 +6,20 @@ Works on CPU and CUDA.
 - FLOPs: ``torch.utils.flop_counter.FlopCounterMode``, plus the in-place matmuls it does not count
   (``addmm_``, ``baddbmm_``, ...) and standard operation counts for Cholesky, triangular solves and QR.
 - Bytes moved: ``TrafficMode`` adds, for every aten op, the bytes of the tensors it reads and writes.
-- Transient memory: on CUDA the allocator's peak; on CPU ``TrafficMode`` also tracks the storages
-  that ops allocate during the step until they are freed.
+- Transient memory: on CUDA the allocator's peak; on CPU the running sum of the allocations and
+  frees that ``torch.profiler`` records (workspaces inside ops included), or, where the profiler
+  cannot report them, ``TrafficMode``'s tracking of the storages ops return until they are freed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from types import ModuleType
 from typing import Any
@@ -48,6 +52,8 @@ _SCATTERS_ACCUMULATE = {"index_add_", "scatter_add_", "scatter_reduce_", "index_
 # Allocation without initialization, or metadata only: no data moves.
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted",
                "resize_", "set_"}
+# Views whose schema does not say so (no alias annotation on the result).
+_UNANNOTATED_VIEWS = {"_unsafe_view"}
 # Matrix products and factorizations; everything else is counted as elementwise / data movement.
 MATMUL_OPS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "matmul", "_scaled_mm", "addbmm", "addbmm_",
               "linalg_cholesky_ex", "linalg_solve_triangular", "linalg_qr", "geqrf", "orgqr", "triangular_solve",
@@ -60,6 +66,12 @@ def _tensors(value: Any) -> list[Tensor]:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _operand_key(t: Tensor) -> tuple:
+    """Which elements of which memory a tensor operand is (equal for the same tensor passed twice)."""
+    storage = _storage(t)
+    return (id(t),) if storage is None else (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
 def _storage(t: Tensor) -> torch.UntypedStorage | None:
@@ -156,11 +168,15 @@ class TrafficMode(TorchDispatchMode):
     # --------------------------------------------------------------------- the mode
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        # Before the op: an out= tensor it resizes gets a new storage, which is an allocation.
+        inputs = {s.data_ptr() for s in map(_storage, _tensors((args, kwargs))) if s is not None} \
+            if self.track_memory else set()
         out = func(*args, **kwargs)
         schema = func._schema
-        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-            return out  # a view: no data moves, nothing is allocated
         name = func.overloadpacket.__name__
+        if name in _UNANNOTATED_VIEWS or \
+                any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            return out  # a view: no data moves, nothing is allocated
         read, written = self._traffic(name, schema, args, kwargs, out)
         entry = self.ops[name]
         entry.calls += 1
@@ -169,7 +185,7 @@ class TrafficMode(TorchDispatchMode):
         entry.flops += flops
         self.extra_flops += flops
         if self.track_memory:
-            self._track(args, kwargs, out)
+            self._track(inputs, out)
         return out
 
     @staticmethod
@@ -179,15 +195,22 @@ class TrafficMode(TorchDispatchMode):
         read = written = 0
         out_bytes = sum(_nbytes(t) for t in _tensors(out))
         values = [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)]
-        # What a scatter writes into ``self``.
+        # What a scatter writes into ``self``: its source, or for a scalar fill the selected slices.
         source_bytes = sum(_nbytes(t) for a, v in zip(schema.arguments, values)
                            if a.name in ("source", "src", "values", "value") for t in _tensors(v))
+        if name == "index_fill_" and isinstance(values[0], Tensor) and values[0].ndim > 0:
+            target, dim, index = values[0], values[1], values[2]
+            source_bytes = _nbytes(target) // max(target.shape[dim], 1) * index.numel()
+        seen: set[tuple] = set()  # one operand passed twice (addcmul_(g, g)) is read once
         for i, (arg, value) in enumerate(zip(schema.arguments, values)):
             tensors = _tensors(value)
+            mutated = arg.alias_info is not None and arg.alias_info.is_write
+            if not mutated:
+                tensors = [t for t in tensors if _operand_key(t) not in seen]
+            seen.update(_operand_key(t) for t in tensors)
             if not tensors:
                 continue
             size = sum(_nbytes(t) for t in tensors)
-            mutated = arg.alias_info is not None and arg.alias_info.is_write
             if mutated and name.startswith("_fused_") and arg.name == "grads":
                 mutated = False  # marked mutable for unscaling (grad_scale), only read by the update itself
             is_out = getattr(arg, "is_out", arg.kwarg_only and mutated)
@@ -212,8 +235,7 @@ class TrafficMode(TorchDispatchMode):
             written += out_bytes
         return read, written
 
-    def _track(self, args: tuple, kwargs: dict, out: Any) -> None:
-        inputs = {s.data_ptr() for s in map(_storage, _tensors((args, kwargs))) if s is not None}
+    def _track(self, inputs: set[int], out: Any) -> None:
         for t in _tensors(out):
             storage = _storage(t)
             if storage is None:
@@ -272,7 +294,7 @@ class StepCounts:
     matmul_bytes: int
     param_bytes: int
     peak_transient_bytes: int
-    transient_source: str  # "cuda allocator" or "dispatch tracker"
+    transient_source: str  # "cuda allocator", "cpu profiler" or "dispatch tracker"
     ops: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
@@ -297,12 +319,61 @@ class StepCounts:
         return d
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2: the profiler's C++ side logs its start and stop there."""
+    fd = 2
+    sys.stderr.flush()
+    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+        os.close(null)
+
+
+class CpuAllocations:
+    """The bytes live at once above the start, from the CPU allocations and frees that
+    ``torch.profiler`` records while active (``peak_bytes``; None where this torch cannot report them)."""
+
+    def __init__(self) -> None:
+        self.peak_bytes: int | None = None
+        self._profiler: Any = None
+
+    def __enter__(self) -> CpuAllocations:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._profiler.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _quiet_stderr():
+            self._profiler.stop()
+        try:
+            events = self._profiler.profiler.kineto_results.events()
+            cpu = torch._C._autograd.DeviceType.CPU
+            changes = sorted((e.start_ns(), e.nbytes()) for e in events
+                             if e.name() == "[memory]" and e.device_type() == cpu)
+        except (AttributeError, RuntimeError):
+            return
+        live = peak = 0
+        for _, change in changes:
+            live += change
+            peak = max(peak, live)
+        self.peak_bytes = peak
+
+
 def count_step(step: Callable[[], Any], params: Sequence[Tensor], device: str | torch.device = "cpu") -> StepCounts:
     """Run ``step`` once under the counters and report its FLOPs, bytes and transient memory.
 
-    ``params`` are the matrix parameters: their bytes are the unit of ``passes``. On CUDA the
-    transient peak is the allocator's (everything allocated during the step above what was
-    allocated before it); elsewhere it is ``TrafficMode``'s tracker.
+    ``params`` are the matrix parameters: their bytes are the unit of ``passes``. The transient
+    peak is what the step allocates above what was allocated before it, at its most: on CUDA the
+    allocator's peak; on CPUs the profiler's allocation events (``CpuAllocations``), or where
+    those are missing ``TrafficMode``'s tracker (which does not see workspaces inside ops).
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -312,13 +383,17 @@ def count_step(step: Callable[[], Any], params: Sequence[Tensor], device: str | 
         baseline = torch.cuda.memory_allocated(device)
     traffic = TrafficMode(track_memory=not cuda)
     flop_mode = _flop_counter().FlopCounterMode(display=False)
-    with flop_mode, traffic:
+    allocations = CpuAllocations() if not cuda else contextlib.nullcontext()
+    with allocations, flop_mode, traffic:
         step()
+    source = "cuda allocator"
     if cuda:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - baseline
+    elif allocations.peak_bytes is not None:
+        peak, source = allocations.peak_bytes, "cpu profiler"
     else:
-        peak = traffic.peak_bytes
+        peak, source = traffic.peak_bytes, "dispatch tracker"
     ops = {name: asdict(o) for name, o in traffic.ops.items()}
     return StepCounts(
         flops=int(flop_mode.get_total_flops()) + traffic.extra_flops,
@@ -326,6 +401,6 @@ def count_step(step: Callable[[], Any], params: Sequence[Tensor], device: str | 
         matmul_bytes=traffic.bytes_where(lambda name: name in MATMUL_OPS),
         param_bytes=tensor_bytes(params),
         peak_transient_bytes=int(peak),
-        transient_source="cuda allocator" if cuda else "dispatch tracker",
+        transient_source=source,
         ops=ops,
     )
