@@ -262,7 +262,9 @@ def test_describe_assignment_reasons():
     assert rows["blocks.0.norm.weight"][1:] == ("scalar", "vector (bias or norm)")
     assert rows["blocks.0.qkv.weight"] == ((3 * D, D), "matrix", "matrix")
     conv = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(make(ConvNet))}
-    assert conv["conv.weight"][0] == "conv" and "flatten" in conv["conv.weight"][1]
+    assert conv["conv.weight"] == ("conv", "conv weight, flattened to [out, in·k…]")
+    up = {n: reason for n, _, _, reason in orthoptim.describe_assignment(nn.ConvTranspose2d(8, 4, 2))}
+    assert up["weight"] == "conv weight, flattened to [in, out·k…]"  # stored [in, out, kh, kw]
 
 
 # ----------------------------------------------------------------------------- explain
@@ -480,3 +482,51 @@ def test_a_plain_group_can_join_the_named_groups_of_param_groups():
     first.grad, second.grad = torch.randn(4, 4), torch.randn(4, 8)
     opt.step()
     opt.load_state_dict(opt.state_dict())
+
+
+def test_a_classifier_head_without_a_vocabulary_goes_to_adamw():
+    """ViT- and BERT-style classifiers (no embedding scored by the head): the model's last Linear,
+    named like a classifier, goes to AdamW; hidden Linears and a last Linear with another name stay."""
+
+    class ViTLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.patch = nn.Conv2d(3, D, 4, 4)
+            self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+            self.heads = nn.Sequential()
+            self.heads.add_module("head", nn.Linear(D, 10))
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hidden = nn.Linear(D, D)
+            self.project = nn.Linear(D, 4)
+
+    vit = make(ViTLike)
+    groups = orthoptim.param_groups(vit)
+    assert group_of(groups, vit.heads.head.weight)["algorithm"] == "adamw"
+    assert all("algorithm" not in group_of(groups, m.weight) for m in (vit.mlp[0], vit.mlp[2]))
+    rows = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(vit)}
+    assert rows["heads.head.weight"] == ("scalar", "output head (the model's last nn.Linear, named like a classifier)")
+    regressor = make(Regressor)
+    assert "algorithm" not in group_of(orthoptim.param_groups(regressor), regressor.project.weight)
+
+
+def test_multihead_attention_in_proj_is_split_into_q_k_v():
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(D, 4)
+            self.ff = nn.Linear(D, D)
+
+    model = make(Encoder)
+    groups = orthoptim.param_groups(model)
+    assert group_of(groups, model.attn.in_proj_weight)["split_sizes"] == [D, D, D]
+    assert "split_sizes" not in group_of(groups, model.attn.out_proj.weight)
+    opt = orthoptim.Muon(groups, lr=0.02)
+    rows = {r[0]: r for r in parse_explain(orthoptim.explain(opt))}
+    assert rows["attn.in_proj_weight"][3] == f"3 × [{D}, {D}]"
+    kept = orthoptim.param_groups(model, overrides={"attn.in_proj_weight": {"split_sizes": [D, 2 * D]}})
+    assert group_of(kept, model.attn.in_proj_weight)["split_sizes"] == [D, 2 * D]
+    adamw = orthoptim.param_groups(model, overrides={"attn.in_proj_weight": {"algorithm": "adamw"}})
+    assert "split_sizes" not in group_of(adamw, model.attn.in_proj_weight)

@@ -13,6 +13,7 @@ import functools
 import io
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -450,3 +451,18 @@ def test_a_saved_callable_loaded_where_the_group_has_another_orthogonalizer_warn
     with pytest.warns(UserWarning, match=r"param group 0 .*_user_polar .*orthogonalizer='newton_schulz'"):
         opt2.load_state_dict(roundtrip(opt.state_dict()))
     assert opt2.param_groups[0]["orthogonalizer"] == "newton_schulz"
+
+
+def test_loading_another_algorithms_state_dict_warns_that_it_now_runs():
+    model = nn.Linear(8, 8, bias=False)
+    model.weight.grad = torch.randn(8, 8)
+    saved = orthoptim.Dion3(model.parameters(), lr=0.02)
+    saved.step()
+    target = orthoptim.Muon(model.parameters(), lr=0.02)
+    with pytest.warns(UserWarning, match=r"param group 0: the state dict sets algorithm='dion3' .* had 'muon'"):
+        target.load_state_dict(saved.state_dict())
+    assert target.param_groups[0]["algorithm"] == "dion3"
+    same = orthoptim.Dion3(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(saved.state_dict())

@@ -741,3 +741,38 @@ def test_a_set_of_params_is_refused_as_torch_optim_refuses_it():
 def test_a_bad_replica_sync_every_is_refused_by_name(value):
     with raises_naming(ValueError, f"replica_sync_every={value!r}", "positive number of steps", "None"):
         orthoptim.Dion([nn.Parameter(torch.randn(4, 4))], replica_sync_every=value)
+
+
+def test_a_scheduler_cycling_betas_of_a_matrix_group_is_told_the_rule_reads_mu():
+    """OneCycleLR (cycle_momentum=True by default) writes betas[0] into every group; the matrix rules
+    read mu, so the cycle would silently do nothing there: one warning per such group, none for AdamW."""
+    model = make_model()
+    opt = orthoptim.Dion3(orthoptim.param_groups(model), lr=0.02)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.02, total_steps=6)
+    matrix_groups = {i for i, g in enumerate(opt.param_groups) if g["algorithm"] == "dion3"}
+    messages = []
+    for _ in range(4):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        messages += [str(w.message) for w in caught]
+        schedule.step()
+    warned = {int(re.match(r"param group (\d+): betas changed", m).group(1)) for m in messages}
+    assert warned == matrix_groups and len(messages) == len(matrix_groups)
+    assert all("reads mu, not betas" in m and "cycle_momentum=False" in m for m in messages)
+    assert all(g["mu"] == 0.95 for g in opt.param_groups if g["algorithm"] == "dion3")  # untouched
+
+
+def test_steady_betas_are_not_warned_about():
+    model = make_model()
+    opt = orthoptim.Muon(orthoptim.param_groups(model), lr=0.02)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+            schedule.step()

@@ -2,7 +2,8 @@
 
 Embeddings and output heads are matrices, but orthonormal updates suit neither (their rows are
 looked up or scored one token at a time), so they go to AdamW with every vector parameter.
-They are found by module type and tensor identity (tied weights), never by name alone.
+They are found by module type and tensor identity (tied weights), and by name only for the last
+layer of a model without a vocabulary (a classifier).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from orthoptim.optim.validation import MATRIX_ALGORITHMS
 from orthoptim.rules.lr_scale import lr_scale
 
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
-_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_CONV_TRANSPOSE_TYPES)
 
 
 # Names under which models register their output head (the last part of the module's name).
@@ -28,21 +30,31 @@ _HEAD_NAMES = {"head", "lm_head", "output", "output_head", "out_head", "unembed"
                "classifier", "logits"}
 
 
-def _output_heads(model: nn.Module, vocab_sizes: set[int]) -> set[int]:
-    """ids of the output heads' weights: the nn.Linear layers producing one score per entry of an
+# Names of classification heads (any part of the module's qualified name: ``heads.head``, VGG's
+# ``classifier.6``, ResNet's ``fc``), for models without a vocabulary to score.
+_CLASSIFIER_NAMES = {"head", "heads", "lm_head", "classifier", "output_head", "out_head", "fc"}
+VOCABULARY_HEAD = "output head (outputs one score per vocabulary entry)"
+CLASSIFIER_HEAD = "output head (the model's last nn.Linear, named like a classifier)"
+
+
+def _output_heads(model: nn.Module, vocab_sizes: set[int]) -> dict[int, str]:
+    """id of each output head's weight → why: the nn.Linear layers producing one score per entry of an
     embedding's vocabulary. Every one whose outputs no nn.Linear reads (wider ones are hidden
     activations; several: multi-token prediction heads, or one head per vocabulary); when an MLP is
     as wide as the vocabulary (every such size is read), those named like a head, else the model's
-    last nn.Linear if it is one of them."""
+    last nn.Linear if it is one of them. Without any (a classifier, a ViT): the model's last
+    nn.Linear when its name says it is a classifier, as Muon's authors keep the last layer on AdamW."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     candidates = [(name, m) for name, m in linears if m.out_features in vocab_sizes]
     if not candidates:
-        return set()
+        if linears and _CLASSIFIER_NAMES & set(linears[-1][0].split(".")):
+            return {id(linears[-1][1].weight): CLASSIFIER_HEAD}
+        return {}
     read_sizes = {m.in_features for _, m in linears}
     unread = [m for _, m in candidates if m.out_features not in read_sizes]
     named = [m for name, m in candidates if name.rsplit(".", 1)[-1] in _HEAD_NAMES]
     last = [linears[-1][1]] if linears[-1][1] is candidates[-1][1] else []
-    return {id(m.weight) for m in (unread or named or last)}
+    return {id(m.weight): VOCABULARY_HEAD for m in (unread or named or last)}
 
 
 def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
@@ -56,7 +68,7 @@ def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
 
 
 def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
-    """id(param) → (kind, reason) for every trainable parameter, kind in matrix/conv/scalar."""
+    """id(param) → (kind, reason) for every trainable parameter, kind in matrix/conv/qkv/scalar."""
     embeddings: dict[int, str] = {}
     vocab_sizes: set[int] = set()
     for mname, module in model.named_modules():
@@ -76,15 +88,19 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                 tied = " (tied to the output head)" if id(p) in heads else ""
                 kinds[id(p)] = ("scalar", f"embedding of {embeddings[id(p)]}{tied}")
             elif id(p) in heads:
-                kinds[id(p)] = ("scalar", "output head (outputs one score per vocabulary entry)")
+                kinds[id(p)] = ("scalar", heads[id(p)])
             elif p.ndim < 2:
                 kinds[id(p)] = ("scalar", "vector (bias or norm)")
             elif sum(size > 1 for size in p.shape) < 2:
                 # (1, 1, d) tokens and biases, (n, 1) magnitudes of weight_norm: an orthonormal update of
                 # one row or column is its sign pattern scaled to unit norm, blind to its size.
                 kinds[id(p)] = ("scalar", f"vector-shaped {tuple(p.shape)}")
+            elif isinstance(module, nn.MultiheadAttention) and pname == "in_proj_weight":
+                kinds[id(p)] = ("qkv", "attention in_proj_weight: q, k and v orthogonalized apart (split_sizes)")
             elif isinstance(owner, _CONV_TYPES) and (owned or pname) in ("weight", "weight_v"):
-                kinds[id(p)] = ("conv", "conv weight, flattened to [out, in·k…]")
+                # A transposed conv stores [in, out/groups, k…]: its flattened rows are input channels.
+                layout = "[in, out·k…]" if isinstance(owner, _CONV_TRANSPOSE_TYPES) else "[out, in·k…]"
+                kinds[id(p)] = ("conv", f"conv weight, flattened to {layout}")
             elif p.ndim in (2, 3):
                 kinds[id(p)] = ("matrix", "matrix" if p.ndim == 2 else "batch of matrices")
             else:
@@ -105,8 +121,10 @@ def param_groups(
 
     - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
       (or ``algorithm`` when given); conv weights (also weight_norm's direction) → the same rule with
-      ``flatten=True``;
-    - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary), biases,
+      ``flatten=True``; ``nn.MultiheadAttention``'s fused ``in_proj_weight`` with ``split_sizes``
+      [e, e, e] (q, k, v apart);
+    - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
+      the model's last Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
       norms and other tensors with at most one dimension above 1 → ``scalar_algorithm`` ("adamw" or
       "lion"), with ``lr=scalar_lr`` and ``weight_decay=scalar_weight_decay`` when given; otherwise
       they take the optimizer's ``lr`` and ``weight_decay`` like every group (pass
@@ -153,6 +171,9 @@ def param_groups(
         # the optimizer's own), never for AdamW/Lion, which read no such option.
         if kind == "conv" and "flatten" not in options and options.get("algorithm") not in ("adamw", "lion"):
             options["flatten"] = True
+        # nn.MultiheadAttention keeps q, k and v stacked in one [3e, e] weight: as three projections.
+        if kind == "qkv" and "split_sizes" not in options and options.get("algorithm") not in ("adamw", "lion"):
+            options["split_sizes"] = [p.shape[0] // 3] * 3
         label = pattern or kind
         key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))
         group = groups.setdefault(key, {"name": label, "params": [], "param_names": [], **options})

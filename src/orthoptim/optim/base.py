@@ -37,7 +37,13 @@ from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError
 from orthoptim.optim.sharding import ShardedParameters
 from orthoptim.optim.state import StateKeeping
 from orthoptim.optim.user_orthogonalizer import CheckedOrthogonalizers, users_own
-from orthoptim.optim.validation import MATRIX_ALGORITHMS, readers_of, unread_options, validate_group
+from orthoptim.optim.validation import (
+    MATRIX_ALGORITHMS,
+    options_read_by,
+    readers_of,
+    unread_options,
+    validate_group,
+)
 from orthoptim.orthogonalize import Orthogonalizer, get_factored_orthogonalizer, get_orthogonalizer, input_dtype
 from orthoptim.rules.normalization import orthogonalize_and_normalize
 from orthoptim.rules.selection import num_selected
@@ -132,6 +138,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
         # The options each parameter was last checked under at step time (see _check_group_at_step).
         self._checked_options: dict[Tensor, tuple[Any, ...]] = {}
+        # Each group's betas at its last step, for groups whose algorithm does not read them.
+        self._betas_seen: dict[int, tuple[float, ...]] = {}
+        self._betas_warned: set[int] = set()
         _refuse_a_set(params, "params")  # torch.optim checks this in groups only
         super().__init__(params, full)
 
@@ -248,6 +257,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # A tensor lr is not read (that would sync with its device); it was checked when it was set.
         validate_group({**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group, where)
         self._check_capturable_options(group, where)
+        self._warn_cycled_betas(group, index)
         splits = group["split_sizes"]
         key = (group["algorithm"], group["flatten"], group["num_heads"],
                tuple(splits) if splits is not None else None, group["rank_fraction"])
@@ -257,6 +267,23 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._check_param(p, group, self.param_name(p))
             self._check_state_shapes(p, group)
             self._checked_options[p] = key
+
+    def _warn_cycled_betas(self, group: dict[str, Any], index: int) -> None:
+        """A scheduler that cycles momentum (OneCycleLR's and CyclicLR's default cycle_momentum=True)
+        writes betas[0] into every group that has betas, and every group has them; the matrix rules
+        read mu. Said once per group, the first time its betas differ from its previous step's."""
+        if "betas" in options_read_by(group["algorithm"]) or any(isinstance(b, Tensor) for b in group["betas"]):
+            return
+        betas = tuple(float(b) for b in group["betas"])
+        before = self._betas_seen.setdefault(index, betas)
+        self._betas_seen[index] = betas
+        if betas != before and index not in self._betas_warned:
+            self._betas_warned.add(index)
+            warnings.warn(
+                f"param group {index}: betas changed from {before} to {betas} between steps (a scheduler with "
+                f"cycle_momentum=True, such as OneCycleLR or CyclicLR?), but algorithm={group['algorithm']!r} reads "
+                f"mu, not betas: its momentum stays mu={group['mu']}. Pass cycle_momentum=False, or schedule "
+                "group['mu'] yourself", stacklevel=4)
 
     def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):

@@ -249,9 +249,16 @@ class StateKeeping:
         before = [dict(g) for g in self.param_groups]
         held = {p: dict(self.state[p]) for p in params if p in self.state} if self.capturable else {}
         super().load_state_dict(state_dict)
-        for group, old in zip(self.param_groups, before):
+        self._betas_seen.clear()  # the loaded betas are the new reference
+        for index, (group, old) in enumerate(zip(self.param_groups, before)):
             for key, value in old.items():  # keys a state dict of an older version lacks keep their values
                 group.setdefault(key, value)
+            if group["algorithm"] != old["algorithm"]:
+                warnings.warn(
+                    f"param group {index}: the state dict sets algorithm={group['algorithm']!r} where this "
+                    f"{type(self).__name__}'s group had {old['algorithm']!r}; as in torch.optim, the saved "
+                    f"hyperparameters win, so the group now runs {group['algorithm']!r}. Build the optimizer the "
+                    "checkpoint was saved from, or set group['algorithm'] back after loading", stacklevel=2)
         for i, p in zip(ids, params):
             variance = saved.get(i, {}).get("variance")
             if variance is not None:
