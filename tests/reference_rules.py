@@ -160,15 +160,17 @@ class Layout:
     rows: int
     cols: int
     blocks: list[tuple[int, int]]  # (first row, number of rows)
+    transposed: bool = False  # each stored matrix is [cols, rows]
 
     def slices(self) -> list[tuple[int, int, int]]:
         """(batch index, first row, rows) of every matrix, batch-major."""
         return [(b, r0, size) for b in range(self.batch) for r0, size in self.blocks]
 
 
-def layout(shape, *, flatten=False, num_heads=None, split_sizes=None) -> Layout:
-    """2-D as is; 3-D = batch of matrices; flatten: [out, rest...] → [out, prod(rest)].
-    split_sizes cut the rows into fused blocks; num_heads cuts every block into equal head blocks."""
+def layout(shape, *, flatten=False, num_heads=None, split_sizes=None, transpose=False) -> Layout:
+    """2-D as is; 3-D = batch of matrices; flatten: [out, rest...] → [out, prod(rest)]; transpose:
+    each of those matrices read transposed. split_sizes cut the rows into fused blocks; num_heads
+    cuts every block into equal head blocks."""
     shape = tuple(shape)
     if flatten and len(shape) > 2:
         batch, rows, cols = 1, shape[0], math.prod(shape[1:])
@@ -177,6 +179,8 @@ def layout(shape, *, flatten=False, num_heads=None, split_sizes=None) -> Layout:
     else:
         assert len(shape) == 2
         batch, rows, cols = 1, *shape
+    if transpose:
+        rows, cols = cols, rows
     parts = list(split_sizes) if split_sizes else [rows]
     heads = num_heads or 1
     blocks, start = [], 0
@@ -185,11 +189,13 @@ def layout(shape, *, flatten=False, num_heads=None, split_sizes=None) -> Layout:
             blocks.append((start, part // heads))
             start += part // heads
     assert start == rows
-    return Layout(batch, rows, cols, blocks)
+    return Layout(batch, rows, cols, blocks, transpose)
 
 
 def matrix_of(t: Tensor, lay: Layout, b: int, r0: int, size: int) -> Tensor:
     """The [size, cols] matrix of a tensor shaped like the parameter (a view)."""
+    if lay.transposed:
+        return t.reshape(lay.batch, lay.cols, lay.rows)[b].T[r0 : r0 + size]
     return t.reshape(lay.batch, lay.rows, lay.cols)[b, r0 : r0 + size]
 
 
@@ -218,7 +224,7 @@ class Reference:
                     e["t"] = 0
                 else:
                     lay = layout(x.shape, flatten=opts.get("flatten", False), num_heads=opts.get("num_heads"),
-                                 split_sizes=opts.get("split_sizes"))
+                                 split_sizes=opts.get("split_sizes"), transpose=opts.get("transpose", False))
                     e["layout"] = lay
                     e["m"] = torch.zeros_like(x)
                     e["v"] = [torch.zeros(size, dtype=F64) for _, _, size in lay.slices()]
@@ -389,7 +395,7 @@ def initial_q(opt):
             continue
         for pi, p in enumerate(group["params"]):
             lay = layout(p.shape, flatten=group["flatten"], num_heads=group["num_heads"],
-                         split_sizes=group["split_sizes"])
+                         split_sizes=group["split_sizes"], transpose=group["transpose"])
             qs = []
             for i, (_, _, size) in enumerate(lay.slices()):
                 r = dion_rank(group["rank_fraction"], size, lay.cols)

@@ -280,6 +280,24 @@ def _without_mesh(rank: int, world: int) -> str:
     return "no error"
 
 
+def _transposed_row_shards(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, [Shard(0)]))
+    try:
+        orthoptim.Muon([{"params": [("h.0.mlp.c_fc.weight", p)], "transpose": True}], distributed_mesh=mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_transposed_matrix_on_row_shards_is_refused():
+    for message in run_distributed(_transposed_row_shards, 2, timeout=60):
+        assert "h.0.mlp.c_fc.weight" in message and "transpose=True runs on whole matrices only" in message, message
+
+
 def test_sharded_parameter_without_mesh_is_refused():
     message = run_distributed(_without_mesh, 2, timeout=60)[0]
     assert "blocks.0.attn.weight" in message and "Shard(dim=0)" in message and "distributed_mesh" in message
@@ -447,16 +465,16 @@ def _expert_batches(rank: int, world: int) -> dict:
         "dion2": (orthoptim.Dion2, {"fraction": 0.5}), "dion": (orthoptim.Dion, {"rank_fraction": 0.5}),
     }
     out = {}
-    for heads in (None, 2):
+    for heads, transpose in ((None, False), (2, False), (None, True)):  # transpose: experts stored [E, in, out]
         for name, (cls, options) in optimizers.items():
             gen = torch.Generator().manual_seed(5)
             init = [torch.randn(s, generator=gen) for s in shapes]
             grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
             single = [nn.Parameter(t.clone()) for t in init]
             sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
-            opt_single = cls([{"params": single, "num_heads": heads}], lr=LR, weight_decay=WD, **options)
-            opt = cls([{"params": sharded, "num_heads": heads}], lr=LR, weight_decay=WD, distributed_mesh=mesh,
-                      **options)
+            group = {"num_heads": heads, "transpose": transpose}
+            opt_single = cls([{"params": single, **group}], lr=LR, weight_decay=WD, **options)
+            opt = cls([{"params": sharded, **group}], lr=LR, weight_decay=WD, distributed_mesh=mesh, **options)
             for step in range(STEPS):
                 for a, b, g in zip(single, sharded, grads[step]):
                     a.grad = g.clone()
@@ -468,7 +486,7 @@ def _expert_batches(rank: int, world: int) -> dict:
             if name == "dion":  # the right factors: whole and the same on every rank, as on one process
                 rec["q_error"] = max(float((opt.state[b]["Q"] - opt_single.state[a]["Q"]).abs().max())
                                      for a, b in zip(single, sharded))
-            out[(heads, name)] = rec
+            out[(heads, transpose, name)] = rec
     return out
 
 

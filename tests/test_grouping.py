@@ -263,8 +263,8 @@ def test_describe_assignment_reasons():
     assert rows["blocks.0.qkv.weight"] == ((3 * D, D), "matrix", "matrix")
     conv = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(make(ConvNet))}
     assert conv["conv.weight"] == ("conv", "conv weight, flattened to [out, in·k…]")
-    up = {n: reason for n, _, _, reason in orthoptim.describe_assignment(nn.ConvTranspose2d(8, 4, 2))}
-    assert up["weight"] == "conv weight, flattened to [in, out·k…]"  # stored [in, out, kh, kw]
+    up = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(nn.ConvTranspose2d(8, 4, 2))}
+    assert up["weight"] == ("conv_transpose", "transposed-conv weight [in, out, k…], read as [out·k…, in]")
 
 
 # ----------------------------------------------------------------------------- explain
@@ -530,3 +530,36 @@ def test_multihead_attention_in_proj_is_split_into_q_k_v():
     assert group_of(kept, model.attn.in_proj_weight)["split_sizes"] == [D, 2 * D]
     adamw = orthoptim.param_groups(model, overrides={"attn.in_proj_weight": {"algorithm": "adamw"}})
     assert "split_sizes" not in group_of(adamw, model.attn.in_proj_weight)
+
+
+class Conv1D(nn.Module):
+    """GPT-2's (Hugging Face) linear layer: the weight stored [in, out], used as x @ W + b."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+def test_weights_stored_in_out_are_read_transposed():
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn = Conv1D(3 * D, D)
+            self.up = nn.ConvTranspose2d(D, 4, 2)
+            self.conv = nn.Conv2d(4, D, 3)
+
+    model = make(Model)
+    groups = orthoptim.param_groups(model)
+    assert group_of(groups, model.c_attn.weight)["transpose"] is True
+    assert "flatten" not in group_of(groups, model.c_attn.weight)
+    up = group_of(groups, model.up.weight)
+    assert up["transpose"] is True and up["flatten"] is True
+    assert "transpose" not in group_of(groups, model.conv.weight)
+    opt = orthoptim.Muon(groups, lr=0.02)
+    rows = {r[0]: r for r in parse_explain(orthoptim.explain(opt))}
+    assert rows["c_attn.weight"][3] == f"[{3 * D}, {D}] (transposed)"  # rows are the 3·D outputs
+    assert rows["up.weight"][3] == f"[{4 * 2 * 2}, {D}] (transposed)"
+    adamw = orthoptim.param_groups(model, overrides={"c_attn.weight": {"algorithm": "adamw"}})
+    assert "transpose" not in group_of(adamw, model.c_attn.weight)

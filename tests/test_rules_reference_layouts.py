@@ -56,6 +56,19 @@ def test_split_sizes_with_num_heads(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize(("shapes", "opts"), [
+    ([(12, 8), (8, 20)], {}),  # stored [in, out]: GPT-2's Conv1D
+    ([(3, 8, 12)], {}),  # experts stored [E, in, out]
+    ([(12, 8)], {"split_sizes": [4, 4]}),  # the transposed matrix's 8 rows cut in two
+    ([(6, 2, 2, 2)], {"flatten": True}),  # a transposed conv [in, out, kh, kw] → [out·kh·kw, in]
+], ids=["2d", "3d", "split", "conv-transpose"])
+def test_transpose(algorithm, shapes, opts):
+    """Each stored matrix read transposed: rows are the stored columns (lr scale, row selection and
+    per-row normalization by them), and the update lands back in the stored layout."""
+    run(algorithm, shapes, seed=27, transpose=True, **opts)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_flatten_conv_weight(algorithm):
     """Conv weights [out, in, kh, kw] are the matrix [out, in·kh·kw]."""
     run(algorithm, [(8, 3, 3, 3), (16, 2, 3, 1)], seed=25, flatten=True)
@@ -141,3 +154,25 @@ def test_dion_float32_close_to_float64_reference():
     params = ref.make_params(shapes, seed=29, dtype=torch.float32)
     opt, reference = ref.build(orthoptim.Dion, "dion", params, HP)
     ref.drive(opt, reference, seed=29, steps=3, tol_x=1e-4, tol_state=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transpose_with_the_default_orthogonalizer_equals_the_stored_transpose(algorithm, dtype):
+    """The library's own iterations (Muon's last product fused into the parameter update, Dion3's
+    fused post-update) on [in, out] weights read transposed: as on the same weights stored [out, in]."""
+    gen = torch.Generator().manual_seed(28)
+    stored = [torch.randn(s, generator=gen).to(dtype) for s in [(24, 16), (3, 16, 24)]]
+    grads = [[torch.randn(s.shape, generator=gen).to(dtype) for s in stored] for _ in range(3)]
+    a = [t.clone().requires_grad_() for t in stored]
+    b = [t.mT.contiguous().requires_grad_() for t in stored]
+    opt_a = CLASSES[algorithm]([{"params": a, "transpose": True}], lr=0.02, weight_decay=0.1)
+    opt_b = CLASSES[algorithm](b, lr=0.02, weight_decay=0.1)
+    for step in grads:
+        for p, q, g in zip(a, b, step):
+            p.grad, q.grad = g.clone(), g.mT.contiguous()
+        opt_a.step()
+        opt_b.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p.detach().mT, q.detach(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-2)

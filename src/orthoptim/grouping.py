@@ -68,7 +68,8 @@ def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
 
 
 def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
-    """id(param) → (kind, reason) for every trainable parameter, kind in matrix/conv/qkv/scalar."""
+    """id(param) → (kind, reason) for every trainable parameter; kinds: matrix, conv, conv_transpose,
+    in_out (stored [in, out]), qkv (a fused in_proj_weight) and scalar."""
     embeddings: dict[int, str] = {}
     vocab_sizes: set[int] = set()
     for mname, module in model.named_modules():
@@ -97,10 +98,15 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                 kinds[id(p)] = ("scalar", f"vector-shaped {tuple(p.shape)}")
             elif isinstance(module, nn.MultiheadAttention) and pname == "in_proj_weight":
                 kinds[id(p)] = ("qkv", "attention in_proj_weight: q, k and v orthogonalized apart (split_sizes)")
+            elif isinstance(owner, _CONV_TRANSPOSE_TYPES) and (owned or pname) in ("weight", "weight_v"):
+                # Stored [in, out/groups, k…]: flattened and read transposed, its rows are outputs.
+                kinds[id(p)] = ("conv_transpose", "transposed-conv weight [in, out, k…], read as [out·k…, in]")
             elif isinstance(owner, _CONV_TYPES) and (owned or pname) in ("weight", "weight_v"):
-                # A transposed conv stores [in, out/groups, k…]: its flattened rows are input channels.
-                layout = "[in, out·k…]" if isinstance(owner, _CONV_TRANSPOSE_TYPES) else "[out, in·k…]"
-                kinds[id(p)] = ("conv", f"conv weight, flattened to {layout}")
+                kinds[id(p)] = ("conv", "conv weight, flattened to [out, in·k…]")
+            elif type(module).__name__ == "Conv1D" and pname == "weight" and p.ndim == 2 and \
+                    getattr(module, "nf", None) == p.shape[1]:
+                # GPT-2's (Hugging Face) Conv1D is a linear layer that stores its weight [in, out].
+                kinds[id(p)] = ("in_out", "Conv1D weight stored [in, out] (x @ W), read transposed")
             elif p.ndim in (2, 3):
                 kinds[id(p)] = ("matrix", "matrix" if p.ndim == 2 else "batch of matrices")
             else:
@@ -121,8 +127,9 @@ def param_groups(
 
     - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
       (or ``algorithm`` when given); conv weights (also weight_norm's direction) → the same rule with
-      ``flatten=True``; ``nn.MultiheadAttention``'s fused ``in_proj_weight`` with ``split_sizes``
-      [e, e, e] (q, k, v apart);
+      ``flatten=True`` (transposed convs, stored [in, out, k…], also ``transpose=True``); weights
+      stored [in, out] by GPT-2's ``Conv1D`` with ``transpose=True``; ``nn.MultiheadAttention``'s
+      fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart);
     - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
       the model's last Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
       norms and other tensors with at most one dimension above 1 → ``scalar_algorithm`` ("adamw" or
@@ -169,10 +176,13 @@ def param_groups(
             options.update(overrides[pattern])
         # A conv weight is flattened to 2-D for a matrix rule (its algorithm after any override; None:
         # the optimizer's own), never for AdamW/Lion, which read no such option.
-        if kind == "conv" and "flatten" not in options and options.get("algorithm") not in ("adamw", "lion"):
+        matrix_rule = options.get("algorithm") not in ("adamw", "lion")
+        if kind in ("conv", "conv_transpose") and "flatten" not in options and matrix_rule:
             options["flatten"] = True
+        if kind in ("conv_transpose", "in_out") and "transpose" not in options and matrix_rule:
+            options["transpose"] = True
         # nn.MultiheadAttention keeps q, k and v stacked in one [3e, e] weight: as three projections.
-        if kind == "qkv" and "split_sizes" not in options and options.get("algorithm") not in ("adamw", "lion"):
+        if kind == "qkv" and "split_sizes" not in options and matrix_rule:
             options["split_sizes"] = [p.shape[0] // 3] * 3
         label = pattern or kind
         key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))

@@ -65,6 +65,7 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "adjust_lr": "spectral_norm",
     "orthogonalizer": None,  # None: the algorithm's own default (DEFAULT_ORTHOGONALIZER)
     "flatten": False,
+    "transpose": False,
     "num_heads": None,
     "split_sizes": None,
     "nonfinite": "raise",
@@ -259,7 +260,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._check_capturable_options(group, where)
         self._warn_cycled_betas(group, index)
         splits = group["split_sizes"]
-        key = (group["algorithm"], group["flatten"], group["num_heads"],
+        key = (group["algorithm"], group["flatten"], group["transpose"], group["num_heads"],
                tuple(splits) if splits is not None else None, group["rank_fraction"])
         for p in group["params"]:
             if self._checked_options.get(p) == key:
@@ -317,6 +318,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             flatten=group["flatten"],
             num_heads=group["num_heads"],
             split_sizes=group["split_sizes"],
+            transpose=group["transpose"],
         )
 
     # ----------------------------------------------------------------------------- the step

@@ -1,9 +1,11 @@
 """How one parameter tensor is seen as a batch of matrices.
 
 A parameter becomes [batch, rows, cols]: 2-D as is, 3-D as a batch of matrices (e.g. MoE experts),
-conv weights flattened to [out, in·kh·kw] with ``flatten=True``. Its rows may then be cut into
-blocks that are orthogonalized separately: ``split_sizes`` (fused QKV or gate/up projections) and
-``num_heads`` (one matrix per attention head, inside each split).
+conv weights flattened to [out, in·kh·kw] with ``flatten=True``. Rows are output features, as
+``nn.Linear`` stores them; ``transpose=True`` reads each stored matrix transposed, for weights kept
+as [in, out] (used as ``x @ W``: experts stored [E, in, out], GPT-2's Conv1D, transposed convs).
+Its rows may then be cut into blocks that are orthogonalized separately: ``split_sizes`` (fused QKV
+or gate/up projections) and ``num_heads`` (one matrix per attention head, inside each split).
 """
 
 from __future__ import annotations
@@ -24,14 +26,21 @@ class MatrixView:
     rows: int
     cols: int
     blocks: tuple[tuple[int, int], ...]  # (first row, number of rows) of each block
+    transposed: bool = False  # each stored matrix is [cols, rows]
 
     @property
     def num_matrices(self) -> int:
         return self.batch * len(self.blocks)
 
+    def as_batch(self, t: Tensor) -> Tensor:
+        """``t`` (shaped like the parameter) as a [batch, rows, cols] view."""
+        if self.transposed:
+            return t.view(self.batch, self.cols, self.rows).mT
+        return t.view(self.batch, self.rows, self.cols)
+
     def matrices(self, t: Tensor) -> list[Tensor]:
         """In-place-writable [block_rows, cols] views of ``t`` (shaped like the parameter)."""
-        t3 = t.view(self.batch, self.rows, self.cols)
+        t3 = self.as_batch(t)
         return [t3[b, start : start + size] for b in range(self.batch) for start, size in self.blocks]
 
     def row_vectors(self, v: Tensor) -> list[Tensor]:
@@ -46,9 +55,10 @@ class MatrixView:
         counts: dict[int, int] = {}
         for _, size in self.blocks:
             counts[size] = counts.get(size, 0) + self.batch
+        mark = " (transposed)" if self.transposed else ""
         if self.num_matrices == 1:
-            return f"[{self.blocks[0][1]}, {self.cols}]"
-        return " + ".join(f"{n} × [{size}, {self.cols}]" for size, n in sorted(counts.items()))
+            return f"[{self.blocks[0][1]}, {self.cols}]{mark}"
+        return " + ".join(f"{n} × [{size}, {self.cols}]" for size, n in sorted(counts.items())) + mark
 
 
 def matrix_view(
@@ -58,6 +68,7 @@ def matrix_view(
     flatten: bool = False,
     num_heads: int | None = None,
     split_sizes: Sequence[int] | None = None,
+    transpose: bool = False,
 ) -> MatrixView:
     """Validate the group options for a parameter of ``shape`` and return its matrix layout.
 
@@ -82,6 +93,8 @@ def matrix_view(
         )
     if rows == 0 or cols == 0:
         raise ValueError(f"parameter {name} has shape {shape} with an empty matrix dimension")
+    if transpose:  # split_sizes and num_heads below cut the transposed matrix's rows
+        rows, cols = cols, rows
 
     if split_sizes is not None:
         splits = [int(s) for s in split_sizes]
@@ -107,4 +120,4 @@ def matrix_view(
         for _ in range(heads):
             blocks.append((start, size))
             start += size
-    return MatrixView(shape=shape, batch=batch, rows=rows, cols=cols, blocks=tuple(blocks))
+    return MatrixView(shape=shape, batch=batch, rows=rows, cols=cols, blocks=tuple(blocks), transposed=transpose)

@@ -193,7 +193,7 @@ class GradientChecks:
                 b = torch.add(m, g)
                 if local or m.shape == p.shape:  # whole matrices, cut into the blocks Dion works on
                     view = self._view(p, group, shape=tuple(m.shape) if local else None)
-                    b, blocks, (row_shards, col_shards) = b.view(view.batch, view.rows, view.cols), view.blocks, (1, 1)
+                    b, blocks, (row_shards, col_shards) = view.as_batch(b), view.blocks, (1, 1)
                 else:  # this rank's block of sharded matrices
                     b = b if batched else b.reshape(1, m.shape[0], -1)
                     blocks, (row_shards, col_shards) = ((0, b.shape[1]),), self._shard_counts(p, batched)

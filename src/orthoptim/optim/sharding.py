@@ -70,6 +70,12 @@ class ShardedParameters:
     def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
         where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
+        if group["transpose"] and group["algorithm"] in MATRIX_ALGORITHMS and \
+                self._layout(p, group) not in ("replicated", "local"):
+            raise ValueError(
+                f"{where}: transpose=True runs on whole matrices only (one process, DDP, or a batch of matrices "
+                f"sharded on dim 0), not on the {self._layout(p, group)} layout; store the weight as [out, in] "
+                "(nn.Linear's layout) to shard it, or keep it whole")
         if self._layout(p, group) == "factor_sharded":
             if self._process_group is None and self._inner_group is None:
                 raise ValueError(f"{where}: pass outer_shard_mesh=<its FSDP mesh> and/or "

@@ -127,7 +127,7 @@ class StateKeeping:
                                       p.device_mesh, [Replicate()] * p.device_mesh.ndim)
         local = local_tensor(p)
         # Shard(0) splits the rows of a matrix (dim 1 of [1, rows]) or the batch of a 3-D tensor (dim 0).
-        batched = p.ndim == 3 and (view.batch, view.rows) == tuple(p.shape[:2])
+        batched = p.ndim == 3 and not group["flatten"]  # a batch of matrices: its rows are whole
         shape_local = (local.shape[0], view.rows) if batched else (1, local.shape[0])
         placements = tuple(pl if isinstance(pl, Replicate) else Shard(0 if batched else 1) for pl in p.placements)
         return DTensor.from_local(torch.zeros(shape_local, device=local.device, dtype=dtype),
@@ -152,7 +152,8 @@ class StateKeeping:
     def _state_shape_error(self, p: Tensor, group: dict[str, Any], key: str, has: tuple[int, ...],
                            needs: tuple[int, ...]) -> str:
         """The message for a state tensor whose shape the group's current options no longer give."""
-        options = {"flatten": group["flatten"], "num_heads": group["num_heads"], "split_sizes": group["split_sizes"]}
+        options = {"flatten": group["flatten"], "transpose": group["transpose"], "num_heads": group["num_heads"],
+                   "split_sizes": group["split_sizes"]}
         if group["algorithm"] == "dion":
             options["rank_fraction"] = group["rank_fraction"]
         shown = ", ".join(f"{k}={v!r}" for k, v in options.items())

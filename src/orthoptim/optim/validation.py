@@ -21,7 +21,7 @@ QR_METHODS = ("cholesky_qr", "qr")
 
 
 # The options each algorithm reads, beyond algorithm, lr, weight_decay and nonfinite (all read them).
-_MATRIX_VIEW = frozenset({"adjust_lr", "flatten", "num_heads", "split_sizes"})
+_MATRIX_VIEW = frozenset({"adjust_lr", "flatten", "transpose", "num_heads", "split_sizes"})
 READS: dict[str, frozenset[str]] = {
     "muon": _MATRIX_VIEW | {"mu", "nesterov", "orthogonalizer"},
     "normuon": _MATRIX_VIEW | {"mu", "nesterov", "orthogonalizer", "muon_beta2", "epsilon"},
@@ -97,8 +97,9 @@ def validate_group(group: Mapping[str, Any], where: str) -> None:
         )
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"nesterov={group['nesterov']!r} in {where} must be True or False")
-    if not isinstance(group["flatten"], bool):
-        raise ValueError(f"flatten={group['flatten']!r} in {where} must be True or False")
+    for key in ("flatten", "transpose"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{key}={group[key]!r} in {where} must be True or False")
     if group["selection_scope"] not in SELECTION_SCOPES:
         raise ValueError(f"selection_scope={group['selection_scope']!r} in {where} must be 'local' or 'global'")
     if group["qr_method"] not in QR_METHODS:
