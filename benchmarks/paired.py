@@ -79,9 +79,6 @@ def paired_times(step_a: Callable[[], Any], step_b: Callable[[], Any], steps: in
 def measure_pair(ladder: Any, name_a: str, name_b: str, shapes: list[tuple[int, int]], device: torch.device,
                  steps: int, warmup: int) -> dict[str, Any]:
     table = ladder.rungs(device, shapes)
-    for name in (name_a, name_b):
-        if name not in table:
-            raise SystemExit(f"--pairs: unknown rung {name!r}; use rungs of benchmarks/ladder.py: {', '.join(table)}")
     rung_a, rung_b = table[name_a], table[name_b]
 
     def stepper(rung: Any) -> Callable[[], Any]:
@@ -120,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     shapes = gpt_matrix_shapes(d_model, layers)
     ladder = _ladder()
+    known = ladder.rungs(device, shapes)
+    unknown = sorted({name for pair in pairs for name in pair if name not in known})
+    if unknown:  # before any pair runs
+        raise SystemExit(f"--pairs: unknown rung(s) {', '.join(unknown)}; use rungs of benchmarks/ladder.py: "
+                         f"{', '.join(known)}")
     results = []
     print(f"paired steps on {label} ({device}, {torch.get_num_threads()} thread(s), "
           f"{'iterations ' + cpu_dtype.describe() + ', ' if device.type == 'cpu' else ''}"

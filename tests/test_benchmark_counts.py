@@ -394,8 +394,9 @@ def test_paired_smoke(tmp_path, capsys):
         assert p["ratio_median"] == pytest.approx(statistics.median(ratios))
         assert p["ratio_q1"] <= p["ratio_median"] <= p["ratio_q3"]
         assert p["b_slower_share"] == pytest.approx(sum(r > 1 for r in ratios) / 3)
-    with pytest.raises(SystemExit, match="unknown rung 'nope'"):
-        paired.main(["--set", "d32x1", "--pairs", "muon:nope", "--steps", "1"])
+    with pytest.raises(SystemExit, match=r"unknown rung\(s\) nope;"):  # before the first pair runs
+        paired.main(["--set", "d32x1", "--pairs", "adamw:muon,muon:nope", "--steps", "1"])
+    assert "| adamw | muon |" not in capsys.readouterr().out
     with pytest.raises(SystemExit, match="A:B pairs"):
         paired.main(["--set", "d32x1", "--pairs", "muon", "--steps", "1"])
 
