@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -432,3 +433,18 @@ def test_cpu_symmetric_bench_wide_gram_suggestion_needs_every_aspect():
     assert bench.suggested_min_wide_gram_size(rows) == 384
     rows.append(row(384, 1.2, 0.98))  # one thread count losing at one aspect moves it up
     assert bench.suggested_min_wide_gram_size(rows) == 512
+
+
+@pytest.mark.parametrize("closed", ["fd", "sys.stderr"])
+def test_counting_works_with_stderr_closed(closed):
+    """The profiler's log lines are silenced on fd 2; with fd 2 closed or sys.stderr None there is
+    nothing to silence, and the count must still come out."""
+    close = "os.close(2)" if closed == "fd" else "sys.stderr = None"
+    code = ("import os, sys, torch\n"
+            "from orthoptim.benchmark_counts import count_step\n"
+            f"{close}\n"
+            "counts = count_step(lambda: torch.empty(1 << 20, dtype=torch.uint8).fill_(1), [torch.zeros(1)])\n"
+            "print(counts.peak_transient_bytes, counts.transient_source)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(1 << 20), "cpu", "profiler"]

@@ -466,3 +466,65 @@ def test_loading_another_algorithms_state_dict_warns_that_it_now_runs():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(saved.state_dict())
+
+
+@pytest.mark.parametrize("cls", [orthoptim.Dion3, orthoptim.NorMuon, orthoptim.Dion])
+def test_changing_transpose_under_per_row_state_is_refused_also_for_square_matrices(cls):
+    """A square matrix's variance (or Q) has the same shape either way, but belongs to the other axis."""
+    w = nn.Parameter(torch.randn(16, 16))
+    opt = cls([w], lr=0.02)
+    w.grad = torch.randn(16, 16)
+    opt.step()
+    opt.param_groups[0]["transpose"] = True
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match=r"was made with transpose=False and the group now has transpose=True"):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+    opt.param_groups[0]["transpose"] = False
+    opt.step()  # as it was: steps again
+
+
+def test_a_state_dict_from_before_the_transpose_option_loads_as_saved():
+    """Saved groups without 'transpose' were made under transpose=False: the group takes it (with a
+    warning where the loading group was built with transpose=True, as param_groups now does for
+    GPT-2's Conv1D), and the run continues as the uninterrupted one."""
+    torch.manual_seed(0)
+    init = torch.randn(16, 24)
+    grads = [torch.randn(16, 24) for _ in range(4)]
+    whole = nn.Parameter(init.clone())
+    reference = orthoptim.Dion3([whole], lr=0.02)
+    resumed = nn.Parameter(init.clone())
+    first = orthoptim.Dion3([resumed], lr=0.02)
+    for step, g in enumerate(grads):
+        for p, opt in ((whole, reference), (resumed, first)):
+            if opt is first and step >= 2:
+                continue
+            p.grad = g.clone()
+            opt.step()
+    saved = first.state_dict()
+    for group in saved["param_groups"]:
+        del group["transpose"]  # as an earlier version wrote it
+    second = orthoptim.Dion3([{"params": [resumed], "transpose": True}], lr=0.02)
+    with pytest.warns(UserWarning, match=r"saved before the 'transpose' option existed.*takes transpose=False"):
+        second.load_state_dict(saved)
+    assert second.param_groups[0]["transpose"] is False
+    for g in grads[2:]:
+        resumed.grad = g.clone()
+        second.step()
+    torch.testing.assert_close(resumed.detach(), whole.detach(), rtol=0, atol=0)
+
+
+def test_an_optimizer_pickled_before_the_later_attributes_still_steps():
+    w = nn.Parameter(torch.randn(8, 12))
+    opt = orthoptim.Dion3([w], lr=0.02)
+    state = opt.__getstate__()
+    for name in ("_betas_seen", "_betas_warned", "_state_transposed"):
+        del state[name]
+    for group in state["param_groups"]:
+        del group["transpose"]
+    del state["defaults"]["transpose"]
+    old = orthoptim.Dion3.__new__(orthoptim.Dion3)
+    old.__setstate__(state)
+    w.grad = torch.randn(8, 12)
+    old.step()
+    assert old.param_groups[0]["transpose"] is False

@@ -321,15 +321,21 @@ class StepCounts:
 
 @contextlib.contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2: the profiler's C++ side logs its start and stop there."""
-    fd = 2
-    sys.stderr.flush()
-    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    """Silence file descriptor 2: the profiler's C++ side logs its start and stop there. Nothing to do
+    where it is closed (or there is no sys.stderr)."""
+    if sys.stderr is not None:
+        sys.stderr.flush()
     try:
-        os.dup2(null, fd)
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
         yield
     finally:
-        os.dup2(saved, fd)
+        os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
 
@@ -356,8 +362,10 @@ class CpuAllocations:
         try:
             events = self._profiler.profiler.kineto_results.events()
             cpu = torch._C._autograd.DeviceType.CPU
-            changes = sorted((e.start_ns(), e.nbytes()) for e in events
-                             if e.name() == "[memory]" and e.device_type() == cpu)
+            # At equal times, allocations before frees: the peak is not understated.
+            changes = sorted((e.start_ns(), -e.nbytes()) for e in events
+                              if e.name() == "[memory]" and e.device_type() == cpu)
+            changes = [(t, -change) for t, change in changes]
         except (AttributeError, RuntimeError):
             return
         live = peak = 0

@@ -128,7 +128,8 @@ def param_groups(
     - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
       (or ``algorithm`` when given); conv weights (also weight_norm's direction) → the same rule with
       ``flatten=True`` (transposed convs, stored [in, out, k…], also ``transpose=True``); weights
-      stored [in, out] by GPT-2's ``Conv1D`` with ``transpose=True``; ``nn.MultiheadAttention``'s
+      stored [in, out] by GPT-2's ``Conv1D`` with ``transpose=True`` (which runs on whole matrices:
+      to shard them with FSDP2, ``overrides={"*.c_*": {"transpose": False}}``); ``nn.MultiheadAttention``'s
       fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart);
     - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
       the model's last Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,

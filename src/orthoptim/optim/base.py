@@ -35,7 +35,7 @@ from orthoptim.optim.capture import capturing
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError
 from orthoptim.optim.sharding import ShardedParameters
-from orthoptim.optim.state import StateKeeping
+from orthoptim.optim.state import OPTIONS_ADDED_LATER, StateKeeping
 from orthoptim.optim.user_orthogonalizer import CheckedOrthogonalizers, users_own
 from orthoptim.optim.validation import (
     MATRIX_ALGORITHMS,
@@ -142,6 +142,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # Each group's betas at its last step, for groups whose algorithm does not read them.
         self._betas_seen: dict[int, tuple[float, ...]] = {}
         self._betas_warned: set[int] = set()
+        # The transpose option each parameter's per-row state (variance, Dion's Q) was made under.
+        self._state_transposed: dict[Tensor, bool] = {}
         _refuse_a_set(params, "params")  # torch.optim checks this in groups only
         super().__init__(params, full)
 
@@ -160,6 +162,16 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # scheduler's wrapper of step, bound to the original optimizer: a copy would step that one).
         return {key: value for key, value in self.__dict__.items()
                 if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # An optimizer pickled by an earlier version lacks what later ones added.
+        for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict)):
+            self.__dict__.setdefault(name, empty())
+        for key, value in OPTIONS_ADDED_LATER.items():
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

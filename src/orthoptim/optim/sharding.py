@@ -74,8 +74,10 @@ class ShardedParameters:
                 self._layout(p, group) not in ("replicated", "local"):
             raise ValueError(
                 f"{where}: transpose=True runs on whole matrices only (one process, DDP, or a batch of matrices "
-                f"sharded on dim 0), not on the {self._layout(p, group)} layout; store the weight as [out, in] "
-                "(nn.Linear's layout) to shard it, or keep it whole")
+                f"sharded on dim 0), not on the {self._layout(p, group)} layout; to shard it, read it as stored: "
+                "transpose=False in its group (orthoptim.param_groups sets transpose=True for Conv1D and "
+                "transposed-conv weights: pass overrides={'<its name pattern>': {'transpose': False}}), or store "
+                "the weight as [out, in]")
         if self._layout(p, group) == "factor_sharded":
             if self._process_group is None and self._inner_group is None:
                 raise ValueError(f"{where}: pass outer_shard_mesh=<its FSDP mesh> and/or "

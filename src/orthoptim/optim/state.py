@@ -21,7 +21,7 @@ from torch import Tensor
 
 from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
 from orthoptim.optim.matrix_view import MatrixView
-from orthoptim.optim.validation import options_read_by, validate_group
+from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by, validate_group
 from orthoptim.orthogonalize import normalize_columns
 
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
@@ -32,6 +32,9 @@ DION_Q_SEED = 20250405
 # torch.load(weights_only=True) reads, so the name stands in for it, and loading keeps the callable
 # of the optimizer it is loaded into.
 CALLABLE_MARK = "callable:"
+# Group options added after the first release, with the value every group had before: a state dict
+# saved before an option existed was made under that value.
+OPTIONS_ADDED_LATER: dict[str, Any] = {"transpose": False}
 
 
 def _callable_name(fn: Callable[..., Any]) -> str:
@@ -105,12 +108,15 @@ class StateKeeping:
         for key, make in needed.items():
             if key not in state:
                 state[key] = make()
+                if key == "variance":
+                    self._state_transposed[p] = group["transpose"]
         if algorithm == "dion":
             view = self._view(p, group)
             shape = self._dion_q_shape(view, group["rank_fraction"])
             if "Q" in state and tuple(state["Q"].shape) != shape:
                 raise ValueError(self._state_shape_error(p, group, "Q", tuple(state["Q"].shape), shape))
             if "Q" not in state:
+                self._state_transposed[p] = group["transpose"]
                 gen = torch.Generator().manual_seed(DION_Q_SEED + self._positions[p])
                 q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32), group["epsilon"])
                 state["Q"] = q.to(device=p.device, dtype=p.dtype)
@@ -171,10 +177,19 @@ class StateKeeping:
         return None
 
     def _check_state_shapes(self, p: Tensor, group: dict[str, Any]) -> None:
-        """Refuse existing state of ``p`` whose shape ``group``'s options (edited since) no longer give."""
+        """Refuse existing state of ``p`` whose shape ``group``'s options (edited since) no longer give,
+        and per-row state (NorMuon/Dion3's variance, Dion's Q) made under the other ``transpose``: of a
+        square matrix it has the same shape, but its entries belong to the other axis."""
         state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
         if state and (bad := self._misshapen_state(p, group, state)) is not None:
             raise ValueError(self._state_shape_error(p, group, *bad))
+        key = {"normuon": "variance", "dion3": "variance", "dion": "Q"}.get(group["algorithm"])
+        made = self._state_transposed.get(p)
+        if state and key in state and made is not None and made != group["transpose"]:
+            raise ValueError(
+                f"parameter {self.param_name(p)}: its state {key!r} was made with transpose={made} and the group "
+                f"now has transpose={group['transpose']}; that state belongs to the rows of the matrix as it was "
+                "read then, so keep transpose as it was, or start from a fresh optimizer")
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
@@ -237,8 +252,29 @@ class StateKeeping:
             groups.append(saved)
         return {**state_dict, "param_groups": groups}
 
+    def _with_options_of_older_versions(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the value each group had, before the option existed, of every option its
+        saved groups lack (``OPTIONS_ADDED_LATER``): its state was made under that value (a warning where
+        this optimizer's group has another one)."""
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            return state_dict  # torch.optim's own check names the mismatch
+        groups = []
+        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
+            if isinstance(saved, dict):
+                missing = {k: v for k, v in OPTIONS_ADDED_LATER.items() if k not in saved}
+                for key, value in missing.items():
+                    if mine.get(key, value) != value and saved.get("algorithm", mine["algorithm"]) in MATRIX_ALGORITHMS:
+                        warnings.warn(
+                            f"param group {index} of the loaded state dict was saved before the {key!r} option "
+                            f"existed, so with {key}={value!r}, under which its state was made; the group takes "
+                            f"{key}={value!r} (this optimizer's group had {mine[key]!r})", stacklevel=3)
+                saved = {**saved, **missing}
+            groups.append(saved)
+        return {**state_dict, "param_groups": groups}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = self._with_own_callables(state_dict)
+        state_dict = self._with_options_of_older_versions(self._with_own_callables(state_dict))
         self._check_loadable(state_dict)
         self._checked_options.clear()  # the next step checks the loaded options and state afresh
         self._steps_since_replica_sync = 0  # every replica loads the same momenta
@@ -260,6 +296,11 @@ class StateKeeping:
                     f"{type(self).__name__}'s group had {old['algorithm']!r}; as in torch.optim, the saved "
                     f"hyperparameters win, so the group now runs {group['algorithm']!r}. Build the optimizer the "
                     "checkpoint was saved from, or set group['algorithm'] back after loading", stacklevel=2)
+        self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "variance" in self.state.get(p, {}) or "Q" in self.state.get(p, {}):
+                    self._state_transposed[p] = group["transpose"]
         for i, p in zip(ids, params):
             variance = saved.get(i, {}).get("variance")
             if variance is not None:

@@ -19,10 +19,11 @@ def atomic_write_bytes(path: str | Path, data: bytes | bytearray) -> None:
 def _atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> None:
     """``write`` into a temporary file in ``path``'s folder, flushed to disk, then renamed over
     ``path``: after Ctrl-C, a kill or a crash, ``path`` is the old file or the new one, whole.
-    Temporary files that a killed process left behind (``.NAME.PID.tmp``) are removed first."""
+    Temporary files that a killed process left behind (``.NAME.PID.tmp``) are removed first (on POSIX,
+    where a process's liveness can be asked without signalling it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp") if os.name == "posix" else ():
         pid = stale.name[len(path.name) + 2:-len(".tmp")]
         if pid.isdigit() and not _alive(int(pid)):
             stale.unlink(missing_ok=True)
