@@ -125,6 +125,9 @@ def _kernel_note(device: torch.device, sizes: list[int], dtype: torch.dtype) -> 
             backend = "triton (not installed)"
         by_backend.setdefault(backend, []).append(k)
     if device.type != "cuda" and set(by_backend) <= {"torch"}:
+        if dtype == torch.bfloat16 and cpu_dtype.amx_tiles():
+            return (f"kernels: torch fallback (no Triton on CPU; bf16 products on AMX blocked from k = "
+                    f"{select.AMX_BF16_MIN_BLOCKED_SIZE})")
         return (f"kernels: torch fallback (no Triton on CPU; blocked products from k = {kernels.MIN_BLOCKED_SIZE}, "
                 f"X Xᵀ of X with n >= {select.WIDE_GRAM_ASPECT}k from k = {select.MIN_BLOCKED_WIDE_GRAM_SIZE})")
     if len(by_backend) == 1:

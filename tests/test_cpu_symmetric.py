@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from orthoptim import kernels
-from orthoptim.kernels import cpu_symmetric, select
+from orthoptim.kernels import cpu_dtype, cpu_symmetric, select
 from orthoptim.orthogonalize import gram_newton_schulz, newton_schulz, svd_polar
 
 F64 = torch.float64
@@ -86,7 +86,13 @@ def test_empty_batches_and_bad_block():
 
 
 # ----------------------------------------------------------------------------- selection
-def test_auto_picks_blocked_products_from_the_threshold_on(monkeypatch):
+@pytest.fixture
+def without_amx(monkeypatch):
+    """The general thresholds, whatever CPU runs the tests (AMX has its own bf16 one, tested below)."""
+    monkeypatch.setattr(cpu_dtype, "amx_tiles", lambda: False)
+
+
+def test_auto_picks_blocked_products_from_the_threshold_on(monkeypatch, without_amx):
     monkeypatch.delenv(select.ENV_VAR, raising=False)
     k = select.MIN_BLOCKED_SIZE
     for dtype in select.BLOCKED_DTYPES:
@@ -101,7 +107,25 @@ def test_auto_picks_blocked_products_from_the_threshold_on(monkeypatch):
     assert kernels.backend(torch.empty(0, dtype=F64), size=2) == "blocked"
 
 
-def test_auto_blocks_the_gram_matrix_of_wide_inputs_below_the_threshold(monkeypatch):
+def test_on_amx_bf16_products_are_blocked_only_from_their_own_threshold(monkeypatch):
+    """AMX's bf16 GEMMs lose more rate in block rows than the blocks save below
+    AMX_BF16_MIN_BLOCKED_SIZE, and the wide X Xᵀ rule does not apply to them; fp32 is unchanged."""
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(cpu_dtype, "amx_tiles", lambda: True)
+    k, big = select.MIN_BLOCKED_SIZE, select.AMX_BF16_MIN_BLOCKED_SIZE
+    assert big > k
+    bf16, fp32 = torch.empty(0, dtype=torch.bfloat16), torch.empty(0)
+    assert kernels.backend(bf16, size=k) == "torch" and kernels.backend(bf16, size=big - 1) == "torch"
+    assert kernels.backend(bf16, size=big) == "blocked"
+    wide = select.MIN_BLOCKED_WIDE_GRAM_SIZE
+    assert kernels.backend(bf16, size=wide, inner=4 * wide) == "torch"
+    assert kernels.backend(fp32, size=k) == "blocked"
+    assert kernels.backend(fp32, size=wide, inner=4 * wide) == "blocked"
+    monkeypatch.setenv(select.ENV_VAR, "blocked")  # forced: blocked whatever the CPU
+    assert kernels.backend(bf16, size=2) == "blocked"
+
+
+def test_auto_blocks_the_gram_matrix_of_wide_inputs_below_the_threshold(monkeypatch, without_amx):
     """From MIN_BLOCKED_WIDE_GRAM_SIZE on, X Xᵀ of an X at least WIDE_GRAM_ASPECT times as wide is
     blocked (in WIDE_GRAM_BLOCK rows); narrower ones, smaller ones and the k×k products keep bmm."""
     monkeypatch.delenv(select.ENV_VAR, raising=False)

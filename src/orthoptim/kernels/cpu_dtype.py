@@ -32,6 +32,15 @@ def native_bf16_matmul() -> bool:
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
+@cache
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), whose bf16 GEMMs keep their
+    rate only as large single products (``select`` blocks bf16 products there from larger sizes)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def requested() -> str:
     """The value of ``ORTHOPTIM_CPU_DTYPE`` (``auto`` when unset), validated."""
     value = os.environ.get(ENV_VAR, "").strip().lower() or "auto"

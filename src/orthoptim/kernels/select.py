@@ -7,7 +7,8 @@
   ``hopper`` extra; fp16/bf16 on sm90+), else Triton when ``triton`` is installed; for bf16/fp32
   CPU tensors whose output side is at least ``MIN_BLOCKED_SIZE``, the blocked products of
   ``cpu_symmetric`` (for X Xᵀ of an X at least ``WIDE_GRAM_ASPECT`` times as wide as tall, already
-  from ``MIN_BLOCKED_WIDE_GRAM_SIZE`` on); torch everywhere else.
+  from ``MIN_BLOCKED_WIDE_GRAM_SIZE`` on; bf16 on CPUs with AMX tiles only from
+  ``AMX_BF16_MIN_BLOCKED_SIZE`` on); torch everywhere else.
 - ``quack``: QuACK's kernels wherever they can run, whatever the size; torch for everything else.
 - ``torch``: the torch backend everywhere.
 - ``blocked``: ``cpu_symmetric`` for every CPU tensor, whatever the size or dtype; torch elsewhere.
@@ -32,6 +33,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from orthoptim.kernels import cpu_dtype
+
 ENV_VAR = "ORTHOPTIM_KERNELS"
 CHOICES = ("auto", "torch", "triton", "quack", "blocked")
 
@@ -49,6 +52,14 @@ TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the k×k products lose on two threads.
 MIN_BLOCKED_SIZE = 768
 BLOCKED_DTYPES = (torch.bfloat16, torch.float32)
+# On CPUs with AMX tiles (Intel Sapphire Rapids and later) a bf16 GEMM cut into block rows loses more
+# rate than the blocks save until k is larger: whole Muon steps with and without the blocked products
+# (bf16, one and two threads, measured on a 2-core Sapphire Rapids-class guest) ran 0.95-0.98x at
+# k = 512, 0.95x / 1.02x at 768 (Dion3 0.88-0.91x, Gram NS 0.92x), 0.94x / 1.02x at 1024, 1.03x at
+# 1536, 1.09-1.10x at 2048. There bf16 products are blocked from this size on, and the wide X Xᵀ
+# rule below does not apply to bf16 (0.59x on two threads at k = 512, n = 4k). fp32 keeps the
+# general sizes on every CPU (1.1-1.5x from k = 384 on AMX too).
+AMX_BF16_MIN_BLOCKED_SIZE = 1536
 # Below MIN_BLOCKED_SIZE, X Xᵀ of a wide X (n ≥ WIDE_GRAM_ASPECT·k) is still computed block by
 # block from k = MIN_BLOCKED_WIDE_GRAM_SIZE on, in blocks of WIDE_GRAM_BLOCK rows: each block row is
 # a GEMM over the long side n, which keeps near the full rate at 128 rows, while the k×k products
@@ -138,7 +149,13 @@ def use_blocked(*tensors: Tensor, size: int | None = None, inner: int | None = N
         return True
     if size is None or not all(t.dtype in BLOCKED_DTYPES for t in tensors):
         return False
+    if _amx_bf16(tensors):
+        return size >= AMX_BF16_MIN_BLOCKED_SIZE
     return size >= MIN_BLOCKED_SIZE or _wide_gram(size, inner)
+
+
+def _amx_bf16(tensors: tuple[Tensor, ...]) -> bool:
+    return any(t.dtype == torch.bfloat16 for t in tensors) and cpu_dtype.amx_tiles()
 
 
 def _wide_gram(size: int, inner: int | None) -> bool:
