@@ -36,13 +36,17 @@ CONFIGS = {
     "normuon": (orthoptim.NorMuon, {}),
     "dion_group": (orthoptim.Dion3, {"algorithm": "dion", "rank_fraction": 0.5}),
     "dion": (orthoptim.Dion, {"rank_fraction": 0.5}),
+    # Weights stored [in, out], read transposed: the same three megabatches, of the transposed shapes.
+    "muon_transposed": (orthoptim.Muon, {"transpose": True}),
+    "dion3_transposed": (orthoptim.Dion3, {"fraction": 0.5, "transpose": True}),
+    "dion_transposed": (orthoptim.Dion, {"rank_fraction": 0.5, "transpose": True}),
 }
 
 
 def _run(name: str, mesh) -> tuple[list[torch.Tensor], list[dict]]:
     cls, options = CONFIGS[name]
     params = _params()
-    group_options = {k: v for k, v in options.items() if k in ("algorithm", "rank_fraction")}
+    group_options = {k: v for k, v in options.items() if k in ("algorithm", "rank_fraction", "transpose")}
     ctor_options = {k: v for k, v in options.items() if k not in group_options}
     groups = [{"params": params[:-1], **group_options}, {"params": params[-1:], "algorithm": "adamw"}]
     opt = cls(groups, lr=0.05, weight_decay=0.1, distributed_mesh=mesh, **ctor_options)
