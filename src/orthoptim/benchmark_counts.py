@@ -362,10 +362,9 @@ class CpuAllocations:
         try:
             events = self._profiler.profiler.kineto_results.events()
             cpu = torch._C._autograd.DeviceType.CPU
-            # At equal times, allocations before frees: the peak is not understated.
-            changes = sorted((e.start_ns(), -e.nbytes()) for e in events
-                              if e.name() == "[memory]" and e.device_type() == cpu)
-            changes = [(t, -change) for t, change in changes]
+            changes = sorted(((e.start_ns(), e.nbytes()) for e in events
+                              if e.name() == "[memory]" and e.device_type() == cpu),
+                             key=lambda c: (c[0], -c[1]))  # at equal times allocations first: no understated peak
         except (AttributeError, RuntimeError):
             return
         live = peak = 0

@@ -23,22 +23,25 @@ ENV_VAR = "ORTHOPTIM_CPU_DTYPE"
 CHOICES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def _cpu_reports(*probes: str) -> bool:
+    """Whether oneDNN is built in and torch says this CPU has any of ``probes`` (private ``torch.cpu``
+    checks, so looked up defensively)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 @cache
 def native_bf16_matmul() -> bool:
     """Whether this CPU has bf16 matrix instructions (AMX-BF16 or AVX-512 BF16) that oneDNN uses."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")  # private, so looked up defensively
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+    return _cpu_reports("_is_amx_tile_supported", "_is_avx512_bf16_supported")
 
 
 @cache
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later), whose bf16 GEMMs keep their
     rate only as large single products (``select`` blocks bf16 products there from larger sizes)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+    return _cpu_reports("_is_amx_tile_supported")
 
 
 def requested() -> str:
