@@ -230,51 +230,50 @@ class StateKeeping:
                 group["orthogonalizer"] = _callable_name(group["orthogonalizer"])
         return state_dict
 
-    def _with_own_callables(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with each group's saved callable name replaced by this optimizer's orthogonalizer
-        for that group (a warning when that is not a callable of the same name, for a group whose algorithm
-        reads it)."""
+    def _as_loaded_here(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each saved group as this optimizer loads it (``_own_callable``, then
+        ``_options_of_older_versions``); a different number of groups is left to torch.optim's check."""
         saved_groups = state_dict.get("param_groups")
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
             return state_dict  # torch.optim's own check names the mismatch
         groups = []
-        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
-            name = saved.get("orthogonalizer") if isinstance(saved, dict) else None
-            if isinstance(name, str) and name.startswith(CALLABLE_MARK):
-                own = mine["orthogonalizer"]
-                reads = "orthogonalizer" in options_read_by(saved.get("algorithm", mine["algorithm"]))
-                if reads and (not callable(own) or _callable_name(own) != name):
-                    warnings.warn(
-                        f"param group {index} of the loaded state dict was saved with the orthogonalizer "
-                        f"{name[len(CALLABLE_MARK):]} (a callable, which a state dict cannot hold); the group "
-                        f"keeps this optimizer's orthogonalizer={own!r}", stacklevel=3)
-                saved = {**saved, "orthogonalizer": own}
+        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):  # a loop: warnings name the caller
+            if isinstance(saved, dict):
+                saved = self._options_of_older_versions(index, self._own_callable(index, saved, mine), mine)
             groups.append(saved)
         return {**state_dict, "param_groups": groups}
 
-    def _with_options_of_older_versions(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with the value each group had, before the option existed, of every option its
-        saved groups lack (``OPTIONS_ADDED_LATER``): its state was made under that value (a warning where
-        this optimizer's group has another one)."""
-        saved_groups = state_dict.get("param_groups")
-        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
-            return state_dict  # torch.optim's own check names the mismatch
-        groups = []
-        for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
-            if isinstance(saved, dict):
-                missing = {k: v for k, v in OPTIONS_ADDED_LATER.items() if k not in saved}
-                for key, value in missing.items():
-                    if mine.get(key, value) != value and saved.get("algorithm", mine["algorithm"]) in MATRIX_ALGORITHMS:
-                        warnings.warn(
-                            f"param group {index} of the loaded state dict was saved before the {key!r} option "
-                            f"existed, so with {key}={value!r}, under which its state was made; the group takes "
-                            f"{key}={value!r} (this optimizer's group had {mine[key]!r})", stacklevel=3)
-                saved = {**saved, **missing}
-            groups.append(saved)
-        return {**state_dict, "param_groups": groups}
+    @staticmethod
+    def _own_callable(index: int, saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+        """A saved callable's name replaced by this optimizer's orthogonalizer for the group (a warning
+        when that is not a callable of the same name, for a group whose algorithm reads it)."""
+        name = saved.get("orthogonalizer")
+        if not (isinstance(name, str) and name.startswith(CALLABLE_MARK)):
+            return saved
+        own = mine["orthogonalizer"]
+        reads = "orthogonalizer" in options_read_by(saved.get("algorithm", mine["algorithm"]))
+        if reads and (not callable(own) or _callable_name(own) != name):
+            warnings.warn(
+                f"param group {index} of the loaded state dict was saved with the orthogonalizer "
+                f"{name[len(CALLABLE_MARK):]} (a callable, which a state dict cannot hold); the group "
+                f"keeps this optimizer's orthogonalizer={own!r}", stacklevel=4)
+        return {**saved, "orthogonalizer": own}
+
+    @staticmethod
+    def _options_of_older_versions(index: int, saved: dict[str, Any], mine: dict[str, Any]) -> dict[str, Any]:
+        """The value each option the saved group lacks (``OPTIONS_ADDED_LATER``) had before it existed:
+        the group's state was made under it (a warning where this optimizer's group has another one)."""
+        missing = {k: v for k, v in OPTIONS_ADDED_LATER.items() if k not in saved}
+        for key, value in missing.items():
+            if mine.get(key, value) != value and saved.get("algorithm", mine["algorithm"]) in MATRIX_ALGORITHMS:
+                warnings.warn(
+                    f"param group {index} of the loaded state dict was saved before the {key!r} option "
+                    f"existed, so with {key}={value!r}, under which its state was made; the group takes "
+                    f"{key}={value!r} (this optimizer's group had {mine[key]!r})", stacklevel=4)
+        return {**saved, **missing} if missing else saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = self._with_options_of_older_versions(self._with_own_callables(state_dict))
+        state_dict = self._as_loaded_here(state_dict)
         self._check_loadable(state_dict)
         self._checked_options.clear()  # the next step checks the loaded options and state afresh
         self._steps_since_replica_sync = 0  # every replica loads the same momenta
