@@ -469,6 +469,28 @@ def test_vector_shaped_tensors_and_weight_norm_parts_are_grouped_by_what_they_ar
     assert "algorithm" not in group_of(groups, model.lin.parametrizations.weight.original1)
 
 
+def test_conv_weights_renamed_by_spectral_norm_and_pruning_are_flattened():
+    """nn.utils.spectral_norm and nn.utils.prune keep a conv's weight as weight_orig: a Conv1d's was
+    cut into one matrix per output channel, a Conv2d's went to AdamW as a 4-D tensor."""
+    from torch.nn.utils import prune
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spectral = nn.utils.spectral_norm(nn.Conv1d(4, 8, 3))
+            self.spectral2d = nn.utils.spectral_norm(nn.Conv2d(8, D, 3))
+            self.pruned = prune.l1_unstructured(nn.Conv2d(D, D, 3), "weight", amount=0.5)
+            self.up = nn.utils.spectral_norm(nn.ConvTranspose2d(D, 8, 3))
+
+    model = make(Model)
+    groups = orthoptim.param_groups(model)
+    for conv in (model.spectral, model.spectral2d, model.pruned):
+        group = group_of(groups, conv.weight_orig)
+        assert group.get("flatten") is True and not group.get("transpose"), conv
+    up = group_of(groups, model.up.weight_orig)
+    assert up.get("flatten") is True and up.get("transpose") is True
+
+
 def test_a_plain_group_can_join_the_named_groups_of_param_groups():
     """torch.optim refuses groups with and without param_names side by side ("with/without names")."""
     model = make()

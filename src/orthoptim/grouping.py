@@ -23,6 +23,9 @@ from orthoptim.rules.lr_scale import lr_scale
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 _CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *_CONV_TRANSPOSE_TYPES)
+# A layer's weight under its own name and under the names older reparametrizations give it:
+# nn.utils.weight_norm's direction (weight_v), nn.utils.spectral_norm's and prune's weight_orig.
+_WEIGHT_NAMES = ("weight", "weight_v", "weight_orig")
 
 
 # Names under which models register their output head (the last part of the module's name).
@@ -98,12 +101,12 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                 kinds[id(p)] = ("scalar", f"vector-shaped {tuple(p.shape)}")
             elif isinstance(module, nn.MultiheadAttention) and pname == "in_proj_weight":
                 kinds[id(p)] = ("qkv", "attention in_proj_weight: q, k and v orthogonalized apart (split_sizes)")
-            elif isinstance(owner, _CONV_TRANSPOSE_TYPES) and (owned or pname) in ("weight", "weight_v"):
+            elif isinstance(owner, _CONV_TRANSPOSE_TYPES) and (owned or pname) in _WEIGHT_NAMES:
                 # Stored [in, out/groups, k…]: flattened and read transposed, its rows are outputs.
                 kinds[id(p)] = ("conv_transpose", "transposed-conv weight [in, out, k…], read as [out·k…, in]")
-            elif isinstance(owner, _CONV_TYPES) and (owned or pname) in ("weight", "weight_v"):
+            elif isinstance(owner, _CONV_TYPES) and (owned or pname) in _WEIGHT_NAMES:
                 kinds[id(p)] = ("conv", "conv weight, flattened to [out, in·k…]")
-            elif type(module).__name__ == "Conv1D" and pname == "weight" and p.ndim == 2 and \
+            elif type(module).__name__ == "Conv1D" and pname in _WEIGHT_NAMES and p.ndim == 2 and \
                     getattr(module, "nf", None) == p.shape[1]:
                 # GPT-2's (Hugging Face) Conv1D is a linear layer that stores its weight [in, out].
                 kinds[id(p)] = ("in_out", "Conv1D weight stored [in, out] (x @ W), read transposed")
