@@ -553,6 +553,42 @@ def test_edits_that_do_not_fit_a_parameter_are_refused_before_any_group_steps(na
     assert_unchanged(before, model, opt)
 
 
+def _resize_lin(model: nn.Module) -> None:
+    model.lin.weight.data = torch.randn(2 * model.lin.weight.shape[0], model.lin.weight.shape[1])
+
+
+@pytest.mark.parametrize(("change", "fragments"), [
+    (_resize_lin, ["lin.weight", "parameter's shape"]),
+    (lambda model: model.to(torch.bfloat16), ["bfloat16", "its state", "load_state_dict"]),
+    (lambda model: model.to(memory_format=torch.channels_last), ["conv.weight", "not contiguous"]),
+])
+@pytest.mark.parametrize("name", ["dion3", "muon", "dion"])
+def test_parameters_changed_after_a_step_are_checked_again_before_the_next(name, change, fragments):
+    """Checks that passed once were not redone for the same options: a parameter resized, converted or
+    laid out channels_last after a step failed half-way through the next one, with a raw error, after
+    other groups had been stepped."""
+    model, opt = live_optimizer(name)
+    change(model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, *fragments):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
+def test_a_parameter_put_into_a_group_by_hand_is_refused_by_the_step():
+    model, opt = live_optimizer("dion")
+    extra = nn.Parameter(torch.randn(6, 4))
+    opt.param_groups[1]["params"].append(extra)
+    set_grads(model, 2)
+    extra.grad = torch.randn_like(extra)
+    before = snapshot(model)
+    with raises_naming(ValueError, "param group 1", "add_param_group"):
+        opt.step()
+    assert_unchanged(before, model)
+
+
 def test_capturable_only_options_are_checked_at_step_time_too():
     model, opt = live_optimizer(capturable=True)
     opt.param_groups[1]["nonfinite"] = "skip"

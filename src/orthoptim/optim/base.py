@@ -265,7 +265,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         """Before a step changes anything: the group's options as they are now (schedules and hand edits
         may have changed them), and what they mean for each parameter: its matrix view (num_heads,
         split_sizes, flatten, a matrix rule on a vector) and the shapes of the state it already has.
-        The per-parameter part is redone only for options not yet checked with that parameter."""
+        The per-parameter part is redone only for options, or a parameter's shape, strides, dtype and
+        device (``p.data = ...``, ``model.to(...)`` after the optimizer was built), not yet checked together."""
         where = f"param group {index} (at step time)"
         # A tensor lr is not read (that would sync with its device); it was checked when it was set.
         validate_group({**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group, where)
@@ -275,11 +276,17 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         key = (group["algorithm"], group["flatten"], group["transpose"], group["num_heads"],
                tuple(splits) if splits is not None else None, group["rank_fraction"])
         for p in group["params"]:
-            if self._checked_options.get(p) == key:
+            if isinstance(p, Tensor) and p not in self._positions:
+                raise ValueError(
+                    f"param group {index} holds a parameter of shape {tuple(p.shape)} that was put into "
+                    "group['params'] directly; add parameters with optimizer.add_param_group({'params': [...]}), "
+                    "which checks them and creates their state")
+            seen = (key, tuple(p.shape), p.stride(), p.dtype, p.device)
+            if self._checked_options.get(p) == seen:
                 continue
             self._check_param(p, group, self.param_name(p))
             self._check_state_shapes(p, group)
-            self._checked_options[p] = key
+            self._checked_options[p] = seen
 
     def _warn_cycled_betas(self, group: dict[str, Any], index: int) -> None:
         """A scheduler that cycles momentum (OneCycleLR's and CyclicLR's default cycle_momentum=True)

@@ -164,8 +164,9 @@ class StateKeeping:
             options["rank_fraction"] = group["rank_fraction"]
         shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
         return (f"parameter {self.param_name(p)}: its state {key!r} has shape {has} but {group['algorithm']} "
-                f"needs {needs} under the group's options now ({shown}); these options fix the shape of the "
-                "state, so keep them as they were when the state was made, or start from a fresh optimizer")
+                f"needs {needs} for the parameter's shape {tuple(p.shape)} under the group's options now ({shown}); "
+                "these fix the shape of the state, so keep the parameter's shape and these options as they were "
+                "when the state was made, or start from a fresh optimizer")
 
     def _misshapen_state(self, p: Tensor, group: dict[str, Any],
                          state: dict[str, Any]) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
@@ -183,6 +184,17 @@ class StateKeeping:
         state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
         if state and (bad := self._misshapen_state(p, group, state)) is not None:
             raise ValueError(self._state_shape_error(p, group, *bad))
+        for key, value in (state or {}).items():
+            if key == "step" or not isinstance(value, Tensor):
+                continue
+            dtype = row_state_dtype(p) if key == "variance" else p.dtype
+            if (value.dtype, value.device) != (dtype, p.device):
+                raise ValueError(
+                    f"parameter {self.param_name(p)} is {p.dtype} on {p.device} but its state {key!r} is "
+                    f"{value.dtype} on {value.device}: the parameter was converted or moved (model.to(...)) "
+                    "after the optimizer was built. Build the optimizer after converting the model, or bring "
+                    "the state along with opt.load_state_dict(opt.state_dict()), which casts and moves it to "
+                    "the parameters")
         key = {"normuon": "variance", "dion3": "variance", "dion": "Q"}.get(group["algorithm"])
         made = self._state_transposed.get(p)
         if state and key in state and made is not None and made != group["transpose"]:
