@@ -504,6 +504,13 @@ def test_a_plain_group_can_join_the_named_groups_of_param_groups():
     first.grad, second.grad = torch.randn(4, 4), torch.randn(4, 8)
     opt.step()
     opt.load_state_dict(opt.state_dict())
+    third = nn.Parameter(torch.randn(8))
+    opt = orthoptim.Muon([{"params": [first]}])
+    opt.add_param_group({"params": [("third", third)], "algorithm": "adamw"})  # named as (name, tensor)
+    assert opt.param_groups[0]["param_names"] == [opt.param_name(first)] and opt.param_name(third) == "third"
+    third.grad = torch.randn(8)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
 
 
 def test_a_classifier_head_without_a_vocabulary_goes_to_adamw():

@@ -187,6 +187,39 @@ def test_save_load_bf16_parameters_without_variance_state():
         assert same_params(model_a, model_b), name
 
 
+def test_load_pre_hooks_are_run_before_the_checks_and_the_variance_copy():
+    """torch.optim's way to adapt a state dict is a load pre-hook; the checks and the fp32 variance
+    copy read the dict as given, before torch.optim ran the hooks: a hook that reorders the state
+    gave each matrix the other's variance, one that completes a missing key was refused."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(8, 12)), nn.Parameter(torch.randn(8, 12))
+    saved_opt = orthoptim.Dion3([a, b], lr=0.1)
+    a.grad, b.grad = torch.randn(8, 12), 10 * torch.randn(8, 12)
+    saved_opt.step()
+    saved = saved_opt.state_dict()
+    opt = orthoptim.Dion3([b, a], lr=0.1)  # the parameters in the other order
+
+    def swap(optimizer, state_dict):
+        group = {**state_dict["param_groups"][0]}
+        del group["algorithm"]  # as a state dict of another program might lack it; the hook completes it
+        return {"state": {0: state_dict["state"][1], 1: state_dict["state"][0]}, "param_groups": [group]}
+
+    def complete(optimizer, state_dict):
+        state_dict["param_groups"][0]["algorithm"] = "dion3"
+
+    seen = []
+    opt.register_load_state_dict_pre_hook(swap)
+    opt.register_load_state_dict_pre_hook(complete)
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(o.state[a]["variance"].clone()))
+    opt.load_state_dict(saved)
+    for p in (a, b):
+        for key in ("momentum", "variance"):
+            assert torch.equal(opt.state[p][key], saved_opt.state[p][key]), key
+    assert len(seen) == 1 and torch.equal(seen[0], saved_opt.state[a]["variance"])
+    opt.load_state_dict(saved)  # the hooks are still registered
+    assert len(seen) == 2
+
+
 # ----------------------------------------------------------------------------- eager state
 def expected_state(algorithm: str, p: torch.Tensor, opts: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Key → (shape, dtype) of the state each algorithm reads, written from DESIGN.md §1."""

@@ -213,9 +213,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # torch.optim wants all groups with param_names or none: a group without them next to named ones
         # (param_groups() names its groups) gets its labels, and the reverse names the earlier groups.
         named_before = [("param_names" in g) for g in self.param_groups]
-        if "param_names" not in param_group and any(named_before):
+        names_given = "param_names" in param_group or any(isinstance(p, tuple) for p in raw)
+        if not names_given and any(named_before):
             param_group = {**param_group, "param_names": labels}
-        elif "param_names" in param_group and named_before and not all(named_before):
+        elif names_given and named_before and not all(named_before):
             for g in self.param_groups:
                 g.setdefault("param_names", [self.param_name(q) for q in g["params"]])
         super().add_param_group({**param_group, "params": raw})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -285,6 +286,23 @@ class StateKeeping:
         return {**saved, **missing} if missing else saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch.optim runs the load pre-hooks inside its load_state_dict, after which the checks and the
+        # variance copy below would read the dict as given, not as a hook remapped or completed it; so
+        # the hooks run here first, and the post-hooks after this optimizer's own work on the loaded state.
+        state_dict = dict(state_dict)
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            state_dict = hook(self, state_dict) or state_dict
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            self._load_checked(state_dict)
+        finally:  # the same dicts back: the hooks' RemovableHandles refer to them
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
+        for hook in list(post.values()):
+            hook(self)
+
+    def _load_checked(self, state_dict: dict[str, Any]) -> None:
         state_dict = self._as_loaded_here(state_dict)
         self._check_loadable(state_dict)
         self._checked_options.clear()  # the next step checks the loaded options and state afresh
