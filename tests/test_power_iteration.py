@@ -12,6 +12,7 @@ import torch
 
 import orthoptim
 from orthoptim.orthogonalize import normalize_columns, orthonormalize_columns, power_iteration
+from orthoptim.orthogonalize.power_iteration import cholesky_qr_pass
 
 # ---------------------------------------------------------------------------------------------
 # Error bounds (measured on the inputs of this file before being fixed here).
@@ -124,6 +125,32 @@ def test_householder_fallback_on_rank_deficient_and_ill_conditioned(dtype):
     assert (q[:3] - householder).abs().max().item() <= 10 * ORTHO_TOL[dtype]
     alone = orthonormalize_columns(p[3:])
     assert (q[3:] - alone).abs().max().item() <= 10 * ORTHO_TOL[dtype]
+
+
+def _rotated_kahan(n: int, rows: int, seed: int) -> torch.Tensor:
+    """Kahan's matrix (κ ≈ 1e8 at n = 30), rotated into ``rows`` dimensions: its Cholesky diagonal
+    spreads little, so that spread's estimate of κ is far too low."""
+    s, c = math.sin(1.0), math.cos(1.0)
+    kahan = torch.diag(s ** torch.arange(n, dtype=torch.float64)) @ (
+        torch.eye(n, dtype=torch.float64) - c * torch.ones(n, n, dtype=torch.float64).triu(1))
+    return orthonormal((rows, n), _gen(seed)) @ kahan
+
+
+def test_a_first_pass_far_from_orthonormal_falls_back_to_householder():
+    """Both passes' Cholesky diagonals looked healthy on these fp32 matrices while the first pass's Q was
+    far from orthonormal (max|Q₁ᵀQ₁ − I| up to 0.3), and CholeskyQR2 returned it almost as it was."""
+    p = torch.stack([_rotated_kahan(30, 128, seed) for seed in range(12)]).float()
+    first, ok = cholesky_qr_pass(p)
+    fooled = ok & (orthonormality_error(first) > 0.1)  # trusted, yet far from orthonormal
+    assert int(fooled.sum()) >= 2
+    q = orthonormalize_columns(p)
+    assert orthonormality_error(q).max().item() <= ORTHO_TOL[torch.float32]
+    assert (q[fooled] - torch.linalg.qr(p[fooled]).Q).abs().max().item() == 0.0  # they took Householder QR
+    # The sharded rule's own CholeskyQR2 (here on one process: its collectives are no-ops) as well.
+    from orthoptim.distributed.low_rank import sharded_low_rank_factors
+    eye = torch.eye(30)
+    pr = sharded_low_rank_factors(list(p), [eye] * len(p), full_rows=128, rows_group=None, replicate=None, stats=None)
+    assert orthonormality_error(pr[:, :128]).max().item() <= ORTHO_TOL[torch.float32]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

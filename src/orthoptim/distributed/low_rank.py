@@ -71,7 +71,7 @@ def sharded_low_rank_factors(
         return all_reduce(gram, rows_group, stats, "sum")
 
     q1, ok1 = cholesky_qr_pass(p, reduce_gram)
-    q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q1), reduce_gram)
+    q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q1), reduce_gram, second=True)
     if sync_free:
         fallback = _householder_rows(p, rows_group, full_rows, stats)
         q2 = torch.where((ok1 & ok2)[:, None, None], q2, fallback)

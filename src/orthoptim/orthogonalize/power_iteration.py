@@ -10,12 +10,19 @@ from torch import Tensor
 # Cholesky-QR loses orthogonality like κ(P)²·u (u = unit round-off). Above this bound on κ²·u we
 # no longer trust even the second Cholesky-QR pass and use Householder QR instead.
 CHOLESKY_QR_MAX_ERROR = 1e-2
+# The second pass starts from the first one's Q₁: it makes Q₁ orthonormal to round-off only when
+# ‖Q₁ᵀQ₁ − I‖ < 1 (then κ(Q₁)² ≤ (1 + δ)/(1 − δ)). Checked directly, on the Gram matrix the pass
+# forms anyway, because the Cholesky diagonal's spread only bounds κ(P) from below: for some
+# matrices (Kahan's, rotated) it stays small while κ(P)²·u ≫ 1 and Q₁ is far from orthonormal.
+CHOLESKY_QR2_MAX_DEVIATION = 0.5
 
 
-def cholesky_qr_pass(p: Tensor, reduce_gram: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def cholesky_qr_pass(p: Tensor, reduce_gram: Callable[[Tensor], Tensor] | None = None,
+                     second: bool = False) -> tuple[Tensor, Tensor]:
     """One Cholesky-QR pass: P L⁻ᵀ with L Lᵀ = Pᵀ P. Returns (Q, ok) where ok flags trusted matrices.
 
     ``reduce_gram`` turns the local Pᵀ P into the whole one when P's rows are spread over ranks.
+    ``second``: P is the first pass's Q, trusted only if ‖PᵀP − I‖_F < ``CHOLESKY_QR2_MAX_DEVIATION``.
     """
     gram = torch.bmm(p.mT, p)
     if reduce_gram is not None:
@@ -25,6 +32,9 @@ def cholesky_qr_pass(p: Tensor, reduce_gram: Callable[[Tensor], Tensor] | None =
     # The Cholesky diagonal bounds the spread of singular values; its ratio squared estimates κ².
     cond_sq = (diag.amax(-1) / diag.amin(-1).clamp_min(torch.finfo(p.dtype).tiny)) ** 2
     ok = (info == 0) & torch.isfinite(diag).all(-1) & (cond_sq * torch.finfo(p.dtype).eps < CHOLESKY_QR_MAX_ERROR)
+    if second:
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        ok &= torch.linalg.matrix_norm(gram - eye) < CHOLESKY_QR2_MAX_DEVIATION
     q = torch.linalg.solve_triangular(L.mT, p, upper=True, left=False)
     return q, ok
 
@@ -44,7 +54,7 @@ def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr", sync_free: bo
     if method == "qr":
         return torch.linalg.qr(work).Q.to(p.dtype)
     q, ok = cholesky_qr_pass(work)
-    q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q))
+    q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q), second=True)
     ok = ok & ok2 & torch.isfinite(q2).flatten(1).all(-1)
     if sync_free:
         return torch.where(ok[:, None, None], q2, torch.linalg.qr(work).Q).to(p.dtype)
