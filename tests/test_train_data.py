@@ -161,6 +161,15 @@ def test_a_folder_whose_only_file_hashes_to_validation_still_trains(tmp_path):
     data.check_fits(ds, 16)
 
 
+def test_a_folder_of_a_few_uneven_files_holds_out_the_end_of_its_text(tmp_path):
+    """Two files, the larger sorting last: the split by file held out 70 % of the bytes."""
+    _write_tree(tmp_path / "two", {"a.md": "short\n" * 300, "b.md": "the longer one\n" * 500})
+    ds = data.load_data(tmp_path / "two")
+    total = ds.num_tokens("train") + ds.num_tokens("val")
+    assert total == 1800 + 7500 + 2 and ds.num_tokens("val") == int(total * 0.05), ds.description
+    assert "held out" in ds.description
+
+
 def test_a_corpus_sample_too_small_for_both_splits_names_corpus_mb(tmp_path):
     source = tmp_path / "src"
     _write_tree(source, {f"m{i}.py": "x = 1\n" * 50 for i in range(20)})

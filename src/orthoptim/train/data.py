@@ -38,6 +38,9 @@ HEADER_BYTES = HEADER_WORDS * 4
 CORPUS_VERSION = 1  # bump when the builder changes what it produces
 CORPUS_CAP_BYTES = 4 * 1024 * 1024  # the default run reads a third of it (1.2 M tokens); builds in < 1 s
 VAL_ONE_IN = 10  # one file in ten goes to validation
+# A text folder whose files held out by that rule are more than this share of its bytes (a few files
+# of uneven size) holds out the end of its text instead.
+MAX_VAL_SHARE = 0.25
 # Directories of the standard library left out: tests (odd, generated content), vendored packages,
 # and the codec tables of `encodings` (long runs of escaped characters, not code).
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "encodings", "site-packages", "dist-packages", "__pycache__"}
@@ -56,6 +59,14 @@ class Dataset:
     bytes_per_token: float | None  # 1.0 for byte-level text; None when unknown (pre-tokenized shards)
     description: str
     largest_token: int | None = None  # the largest id in the pieces the vocabulary was read from (None: not read)
+
+    def set_vocabulary(self, size: int) -> None:
+        """``--vocab-size``: ``size`` instead of the vocabulary read from the data, in the description too."""
+        read = f", vocabulary {self.vocab_size}"
+        if self.description.endswith(read):
+            self.description = self.description[: -len(read)]
+        self.vocab_size = size
+        self.description += f", vocabulary {size} (--vocab-size)"
 
     def num_tokens(self, split: str) -> int:
         return sum(len(t) for t in (self.train if split == "train" else self.val))
@@ -271,9 +282,11 @@ def load_data(path: str | Path, val_fraction: float = 0.05) -> Dataset:
             raise DataError(f"--data {path}: the folder holds no .bin shards and no text files "
                             f"({', '.join(sorted(TEXT_SUFFIXES))})")
         train_files, val_files = split_files(files, path, None)
-        if not val_files or not train_files:  # one file: hold out its end instead
-            return _from_text(_concat_bytes(train_files + val_files), val_fraction,
-                              f"{len(files)} text file(s) in {path}")
+        val_bytes = sum(p.stat().st_size for p in val_files)
+        if not val_files or not train_files or val_bytes > MAX_VAL_SHARE * sum(p.stat().st_size for p in files):
+            # One file, or too few for a split by file (the files held out would be much of the text):
+            # hold out the end of the text instead.
+            return _from_text(_concat_bytes(files), val_fraction, f"{len(files)} text file(s) in {path}")
         return Dataset([_bytes_tensor(_concat_bytes(train_files))], [_bytes_tensor(_concat_bytes(val_files))],
                        256, 1.0, f"text folder {path}: {len(train_files)} train / {len(val_files)} val files")
     if path.suffix.lower() == ".bin":
