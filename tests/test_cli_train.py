@@ -110,7 +110,23 @@ def test_diverging_run_fails_with_this_commands_advice(tmp_path, capsys):
                   "--no-plot", "--out", str(tmp_path / "run")) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("orthoptim train: error: dion3: parameter ") and "non-finite gradient" in err, err
-    assert err.endswith("Lower --lr or --scalar-lr, or set --clip") and "nonfinite" not in err, err
+    assert err.endswith("Lower --lr or --scalar-lr") and "nonfinite" not in err, err  # --clip is on (1.0)
+    assert _train(tmp_path, "--optimizer", "dion3", "--steps", "3", "--lr", "1e30", "--scalar-lr", "1e30",
+                  "--clip", "0", "--no-plot", "--out", str(tmp_path / "unclipped")) == 1
+    assert capsys.readouterr().err.strip().endswith("Lower --lr or --scalar-lr, or set --clip")
+
+
+def test_an_interrupt_before_training_starts_does_not_offer_a_resume(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the data is read or built: no config.json yet, so --resume would fail."""
+    from orthoptim.cli import train as train_command
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_command, "load_dataset", interrupted)
+    assert _train(tmp_path, "--optimizer", "adamw", "--no-plot", "--out", str(tmp_path / "run")) == 130
+    err = capsys.readouterr().err
+    assert "interrupted before training started; nothing to resume" in err and "--resume" not in err, err
 
 
 def test_resume_refuses_changes(tmp_path, capsys):
@@ -173,6 +189,9 @@ def test_vocab_size_is_checked_against_the_largest_token_not_the_rounded_default
     data.write_shard(shard, torch.arange(300).repeat(4))  # ids 0..299: the default vocabulary is 320
     args = ["--optimizer", "adamw", "--data", str(shard), "--steps", "1", "--no-plot"]
     assert _train(tmp_path, *args, "--vocab-size", "300", "--out", str(tmp_path / "a")) == 0
+    # The description saved with the run gives the vocabulary it trained with, not the one read.
+    described = json.loads((tmp_path / "a" / "config.json").read_text())["data"]
+    assert described.endswith("vocabulary 300 (--vocab-size)") and "320" not in described, described
     assert _train(tmp_path, *args, "--vocab-size", "299", "--out", str(tmp_path / "b")) == 2
     assert "does not hold the data's token 299; give at least 300" in capsys.readouterr().err
 
@@ -320,7 +339,8 @@ def test_flags_that_take_zero_say_so(tmp_path, capsys):
 def test_a_stopped_run_says_which_step_its_val_loss_is_from(tmp_path, capsys):
     assert _train(tmp_path, "--optimizer", "adamw", "--steps", "6", "--stop-at", "3", "--no-plot",
                   "--out", str(tmp_path / "run")) == 0
-    assert "val loss is that of the last evaluation (adamw at step 2 of 3)" in capsys.readouterr().out
+    assert "val loss is that of the last evaluation (adamw evaluated at step 2, stopped at 3)" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.parametrize("clip", ["0", "1.0"])

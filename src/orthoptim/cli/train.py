@@ -328,7 +328,7 @@ def load_dataset(cfg: TrainConfig) -> datamod.Dataset:
         if cfg.vocab_size <= largest:
             raise UsageError(f"--vocab-size {cfg.vocab_size} does not hold the data's token {largest}; "
                              f"give at least {largest + 1}")
-        dataset.vocab_size = cfg.vocab_size
+        dataset.set_vocabulary(cfg.vocab_size)
     return dataset
 
 
@@ -388,8 +388,11 @@ def run(args: argparse.Namespace) -> int:
         saved = (f"the last checkpoint (every {cfg.save_every} steps)" if cfg.save_every else
                  "the optimizers that finished (--save-every 0 checkpoints only at the end: the interrupted "
                  "one starts again)")
-        print(f"\northoptim train: interrupted; continue from {saved} with: orthoptim train --resume {out_dir}",
-              file=sys.stderr)
+        if (out_dir / "config.json").exists():
+            print(f"\northoptim train: interrupted; continue from {saved} with: orthoptim train --resume {out_dir}",
+                  file=sys.stderr)
+        else:  # before the run wrote its config (reading or building the data): nothing to resume
+            print("\northoptim train: interrupted before training started; nothing to resume", file=sys.stderr)
         return 130
     finally:
         if dist.is_initialized():
@@ -461,7 +464,8 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
         except FloatingPointError as e:
             # The library's advice names its own option; this command's are --lr and --clip.
             what = getattr(e, "what", None)
-            message = f"{what}. Lower --lr or --scalar-lr, or set --clip" if what else str(e)
+            fix = "Lower --lr or --scalar-lr" + (", or set --clip" if not cfg.clip else "")
+            message = f"{what}. {fix}" if what else str(e)
             raise CommandError(f"{name}: {message}") from None
         except datamod.DataError as e:  # e.g. a later shard holds a token beyond the vocabulary
             raise CommandError(str(e)) from None
@@ -511,7 +515,8 @@ def summary_table(runs: dict[str, dict]) -> str:
     notes = [f"val loss: nats/token at the last step; peak MB: {', '.join(sorted(kinds))}; train time excludes "
              "evaluation; opt ms/step and opt share (of the whole step) are medians over steps"]
     if not all(r["finished"] for r in runs.values()):
-        stale = ", ".join(f"{name} at step {r['history']['val_step'][-1]} of {r['steps']}" for name, r in runs.items()
+        stale = ", ".join(f"{name} evaluated at step {r['history']['val_step'][-1]}, stopped at {r['steps']}"
+                          for name, r in runs.items()
                           if r["history"]["val_step"] and r["history"]["val_step"][-1] != r["steps"])
         notes.append("some runs stopped early (--stop-at): numbers are at the step they reached"
                      + (f"; val loss is that of the last evaluation ({stale})" if stale else ""))
