@@ -305,6 +305,29 @@ def test_sharded_parameter_without_mesh_is_refused():
     assert "blocks.0.attn.weight" in message and "Shard(dim=0)" in message and "distributed_mesh" in message
 
 
+def _mesh_out_of_order(rank: int, world: int, name: str, dim: int) -> str:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", [1, 0] if world == 2 else [0, 2, 1, 3])  # on 4 ranks, 0 and 3 are in place
+    torch.manual_seed(0)
+    p = nn.Parameter(distribute_tensor(torch.randn(3, 8) if dim == 0 else torch.randn(8, 3), mesh, [Shard(dim)]))
+    cls = {"dion3": orthoptim.Dion3, "muon": orthoptim.Muon, "dion": orthoptim.Dion}[name]
+    return _construction_error(lambda: cls([{"params": [("blocks.0.attn.weight", p)]}], distributed_mesh=mesh))
+
+
+@pytest.mark.parametrize(("name", "dim", "world"), [("dion3", 1, 2), ("muon", 0, 2), ("dion", 0, 2), ("dion3", 0, 4)])
+def test_a_mesh_listing_its_ranks_out_of_order_is_refused_on_every_rank(name, dim, world):
+    """DTensor gives block i to the mesh's i-th rank, the exchanges to the process group's: with the
+    order reversed a column-sharded Dion3 step failed on one rank and hung another, row shards were
+    assembled permuted or refused as "not torch.chunk-style"."""
+    for rank, message in enumerate(run_distributed(_mesh_out_of_order, world, name, dim, timeout=60)):
+        if world == 4 and rank in (0, 3):
+            assert "another rank's error names it" in message and "ascending order" in message, message
+        else:
+            assert "blocks.0.attn.weight" in message and "ascending order" in message, message
+
+
 def _wrong_sub_mesh(rank: int, world: int) -> str:
     """HSDP rows sharded over mesh['shard'], but the optimizer given mesh['replicate'] (the same size)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -52,20 +52,37 @@ class ShardedParameters:
                    any(not isinstance(pl, Replicate) for pl in p.placements)]
         if not sharded:
             return
-        problems = []
+        chunks, orders = [], []  # this rank's blocks that are not torch.chunk's; meshes out of order
         for p, label in sharded:
+            where = f"parameter {label} (a DTensor with placements {tuple(p.placements)})"
             expected, held = chunked_local_shape(p), tuple(local_tensor(p).shape)
             if held != tuple(expected):
-                problems.append(f"parameter {label} (a DTensor with placements {tuple(p.placements)}) holds a "
-                                f"block of shape {held} of its {tuple(p.shape)} on this rank, but "
-                                f"torch.chunk-style sharding gives {tuple(expected)}")
-        flag = torch.tensor([len(problems)], dtype=torch.int32, device=local_tensor(sharded[0][0]).device)
+                chunks.append(f"{where} holds a block of shape {held} of its {tuple(p.shape)} on this rank, but "
+                              f"torch.chunk-style sharding gives {tuple(expected)}; only torch.chunk-style shards "
+                              "(FSDP2's, distribute_tensor's) are supported")
+            for dim, placement in enumerate(p.placements):
+                # DTensor gives block i to the mesh's i-th rank, the exchanges to the group's i-th rank:
+                # the same only where the mesh lists its ranks in ascending order.
+                if isinstance(placement, Replicate):
+                    continue
+                position, rank = p.device_mesh.get_coordinate()[dim], dist.get_rank(p.device_mesh.get_group(dim))
+                if position != rank:
+                    orders.append(f"{where} is on a device mesh that lists its ranks out of ascending order along "
+                                  f"dimension {dim} (this process is position {position} there, rank {rank} of its "
+                                  "process group); build the mesh with its ranks in ascending order, as "
+                                  "init_device_mesh does")
+        flags = torch.tensor([len(chunks), len(orders)], dtype=torch.int32, device=local_tensor(sharded[0][0]).device)
         for group in self._verdict_groups([p for p, _ in sharded]):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if int(flag.item()):
-            found = problems[0] if problems else (f"another rank holds a block of a parameter of param group {index} "
-                                                  "that is not torch.chunk's (its error names it)")
-            raise ValueError(f"{found}; only torch.chunk-style shards (FSDP2's, distribute_tensor's) are supported")
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        chunked, ordered = (int(f) for f in flags.tolist())
+        if chunked or ordered:
+            found = [*chunks, *orders]
+            raise ValueError(found[0] if found else (
+                f"another rank holds a block of a parameter of param group {index} that is not torch.chunk's "
+                "(its error names it)" if chunked else
+                f"a parameter of param group {index} is on a device mesh that lists its ranks out of ascending "
+                "order (another rank's error names it); build the mesh with its ranks in ascending order, as "
+                "init_device_mesh does"))
 
     def _check_dtensor(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         """Sharded layouts this version runs exactly; anything else is an error, never a silent fallback."""
