@@ -5,7 +5,8 @@
 On [8, k, a·k] batches for aspect ratios a = 1 … 16: the median ms of each orthogonalizer and its
 relative Frobenius distance to the exact U Vᵀ (float64 SVD) on Gaussian matrices, both in one
 ``--dtype`` (default float32: equal precision, which is what makes the times comparable; "auto" is
-the library's default: bf16 on CPUs with bf16 matrix units, where Gram NS restarts twice). Optimizer step
+the library's default: bf16 on CPUs with bf16 matrix units, where "gram" runs standard NS, Gram NS
+being unstable in bf16). Optimizer step
 times, FLOPs, bytes and memory per optimizer are in ``benchmarks/ladder.py`` (this script's step-time
 table moved there). A benchmark, not a test: quote medians and ratios from one run.
 """

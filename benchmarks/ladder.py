@@ -66,7 +66,6 @@ from orthoptim.benchmark import (
 )
 from orthoptim.benchmark_counts import count_step, largest_megabatch_bytes, state_bytes, tensor_bytes
 from orthoptim.kernels import cpu_dtype, select
-from orthoptim.orthogonalize import BF16_RESTARTS
 from orthoptim.train.results import format_table, plots_available, save_figure, write_json
 
 CPU_SETS = "124m:4"
@@ -139,7 +138,7 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
     """Every rung, in table order. ``shapes`` only feeds the notes (which kernels run where).
 
     On a CPU the iterations run in ``orthoptim.kernels.cpu_dtype``'s choice: bf16 where the CPU has
-    bf16 matrix units (Gram NS then restarts twice). The
+    bf16 matrix units (the "gram" orthogonalizer then runs standard NS: Gram NS is unstable in bf16). The
     ``_fp32`` rungs pin fp32 there, which is what every other CPU runs.
     """
     cuda = device.type == "cuda"
@@ -147,7 +146,9 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
     gram_sides = [min(m, n) for m, n in shapes if m != n]  # square matrices take standard NS
     precision = "bf16" if cuda else SHORT_DTYPE[cpu_dtype.iteration_dtype()]
     bf16_cpu = not cuda and precision == "bf16"
-    gram = f"Gram NS, bf16, restarts {BF16_RESTARTS}" if bf16_cpu else f"Gram NS, {'fp16' if cuda else 'fp32'}"
+    gram = ("'gram' in bf16: standard NS (Gram NS is unstable in bf16)" if bf16_cpu else
+            f"Gram NS, {'fp16' if cuda else 'fp32'}")
+    gram_dtype = torch.float16 if cuda else cpu_dtype.iteration_dtype()  # the products' dtype, for the notes
     out = {
         "adamw": Rung("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
                       "torch.optim.AdamW foreach: the memory floor", 0),
@@ -161,15 +162,15 @@ def rungs(device: torch.device, shapes: list[tuple[int, int]]) -> dict[str, Rung
         "muon+sym": Rung("muon+sym", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer=symmetric_newton_schulz),
                          f"standard NS, {precision}; " + _kernel_note(device, short, torch.bfloat16), 8),
         "muon+gram": Rung("muon+gram", lambda p: orthoptim.Muon(p, lr=0.01, orthogonalizer="gram"),
-                          f"{gram}; " + _kernel_note(device, gram_sides, torch.float16), 7),
+                          f"{gram}; " + _kernel_note(device, short if bf16_cpu else gram_sides, gram_dtype), 7),
     }
     for label, f in (("1/2", 0.5), ("1/4", 0.25), ("1/8", 0.125)):
         rows = [math.ceil(f * m) for m, n in shapes]
-        sides = [min(k, n) for k, (m, n) in zip(rows, shapes) if k != n]
+        sides = [min(k, n) for k, (m, n) in zip(rows, shapes) if k != n or bf16_cpu]
         out[f"dion3_f{label}"] = Rung(
             f"dion3_f{label}", partial(orthoptim.Dion3, lr=0.01, fraction=f),
-            f"Gram NS{', bf16' if bf16_cpu else ''} on {label} of the rows; "
-            + _kernel_note(device, sides, torch.float16), {0.5: 6, 0.25: 3, 0.125: 4}[f])
+            f"{'standard NS, bf16' if bf16_cpu else 'Gram NS'} on {label} of the rows; "
+            + _kernel_note(device, sides, gram_dtype), {0.5: 6, 0.25: 3, 0.125: 4}[f])
     out["dion_r1/4"] = Rung("dion_r1/4", partial(orthoptim.Dion, lr=0.01, rank_fraction=0.25),
                             "rank ceil(min(m,n)/4), Cholesky-QR", 5)
     out["torch_muon"] = Rung("torch_muon", lambda p: torch.optim.Muon(p, lr=0.01),

@@ -18,7 +18,6 @@ from orthoptim.orthogonalize.coefficients import (
     scale_coefficients,
 )
 from orthoptim.orthogonalize.gram_newton_schulz import (
-    BF16_RESTARTS,
     DEFAULT_RESTARTS,
     gram_newton_schulz,
     gram_newton_schulz_factors,
@@ -87,7 +86,6 @@ def get_factored_orthogonalizer(spec: str | Orthogonalizer) -> Callable[[Tensor]
 
 
 __all__ = [
-    "BF16_RESTARTS",
     "DEFAULT_RESTARTS",
     "FACTORED_ORTHOGONALIZERS",
     "KELLER_JORDAN",

@@ -21,10 +21,15 @@ from orthoptim.orthogonalize.newton_schulz import newton_schulz_factors
 # One restart after the second iteration, as published for fp16: the first two Polar Express
 # polynomials are steep, and forming Q from them accumulates round-off that a fresh X Xᵀ removes.
 DEFAULT_RESTARTS: tuple[int, ...] = (2,)
-# bf16 keeps 8 bits of mantissa to fp16's 11: with one restart its error on a decaying spectrum is
-# ~0.09 above bf16 standard NS; restarting again before the fourth iteration brings it within 0.003
-# of it (measured over Gaussian, decaying, low-rank and spiked spectra; tests/test_cpu_dtype.py).
-BF16_RESTARTS: tuple[int, ...] = (2, 4)
+# Not in bf16. R's small eigenvalues carry an absolute error of about u·λ_max, and the iteration
+# R ← P R P carries each eigenvalue's relative error forward (standard NS recomputes X Xᵀ from X
+# and only perturbs the polynomial's argument). bf16's u = 2⁻⁸ is enough to push a singular value
+# that should peak near 2 between iterations past the edge of the next polynomials' basin, after
+# which it grows without bound: even with restarts (2, 4), 0.05-1.7 % of random k×4k matrices,
+# k = 2-16, with log-uniform or spiked spectra came out with a largest singular value of 6 to 6e11
+# (a plain MLP under Dion3 diverged); fp16 (u = 2⁻¹¹) stayed at or below 1.21 on the same inputs, as
+# standard NS does. So by default a bf16 iteration is standard NS; ``restarts=`` given explicitly
+# still runs Gram NS in bf16.
 
 
 def gram_newton_schulz(
@@ -38,8 +43,9 @@ def gram_newton_schulz(
     """Approximate the polar factor of every matrix in ``x`` ([..., k, n]) by Gram Newton-Schulz.
 
     ``restarts`` lists the iteration indices (0-based) before which X ← Q X and R = X Xᵀ are
-    recomputed (default: ``DEFAULT_RESTARTS``, and ``BF16_RESTARTS`` when the iteration runs in bf16).
-    Square matrices gain nothing from the Gram form and use standard NS.
+    recomputed (default: ``DEFAULT_RESTARTS``). Square matrices gain nothing from the Gram form and
+    use standard NS; so does an iteration in bf16 unless ``restarts`` is given (Gram NS is unstable
+    in bf16: see ``DEFAULT_RESTARTS``).
     Runs in ``dtype`` (default: fp16 on CUDA; on CPUs bf16 where they multiply it natively, else fp32:
     see ``kernels.cpu_dtype``); returns ``x.dtype``. Not differentiable, like ``newton_schulz``.
     """
@@ -57,14 +63,13 @@ def gram_newton_schulz_factors(
     """``gram_newton_schulz`` without its last product X ← Q X: returns Q and X (see ``PolarFactors``)."""
     coeffs = as_coefficients(coefficients)
     work = working_dtype(x, dtype, torch.float16)
-    if restarts is None:
-        restarts = BF16_RESTARTS if work == torch.bfloat16 else DEFAULT_RESTARTS
-    restart_at = set(int(i) for i in restarts)
+    standard = restarts is None and work == torch.bfloat16
+    restart_at = set(int(i) for i in (DEFAULT_RESTARTS if restarts is None else restarts))
     if any(i < 0 for i in restart_at):
         raise ValueError(f"restarts must be non-negative iteration indices, got {sorted(restart_at)}")
     batch, _ = as_batch(x)
     k, n = batch.shape[-2:]
-    if k == n:  # in Gram NS's working dtype (fp16 on CUDA), not standard NS's default (bf16 there)
+    if k == n or standard:  # in Gram NS's working dtype (fp16 on CUDA), not standard NS's (bf16 there)
         return newton_schulz_factors(x, coeffs, dtype=work, eps=eps)
     transposed = k > n
     if transposed:
