@@ -85,25 +85,42 @@ class Budget:
         return time.monotonic() < self.deadline
 
 
-def bench_products(tsym, budget: Budget, warmup: int, reps: int) -> list[dict]:
-    rows = []
+class Recorder:
+    """The report's rows, with the JSON rewritten after each one: a stop (gpu_check.sh's timeout sends
+    SIGINT) in the middle of a section keeps every row measured before it."""
+
+    def __init__(self, report: dict, path: str) -> None:
+        self.report, self.path, self.started = report, path, time.monotonic()
+        self.rows: list[dict] = report.setdefault("results", [])
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        self.save()
+
+    def save(self) -> None:
+        self.report["suggested_min_triton_size"] = suggest_min_size(self.rows)
+        self.report["seconds"] = time.monotonic() - self.started
+        write_report(self.report, self.path)
+
+
+def bench_products(tsym, budget: Budget, warmup: int, reps: int, rows: Recorder) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     for dtype in (torch.bfloat16, torch.float16):
         for b, k, n in GRAM_SHAPES:
             if not budget.left():
-                rows.append({"op": "gram", "shape": [b, k, n], "dtype": str(dtype), "skipped": "budget"})
+                rows.add({"op": "gram", "shape": [b, k, n], "dtype": str(dtype), "skipped": "budget"})
                 continue
             x = (torch.randn(b, k, n, device=DEVICE, generator=gen) / n**0.5).to(dtype)
-            rows.append(_gram_case(tsym, x, warmup, reps))
+            rows.add(_gram_case(tsym, x, warmup, reps))
         for k in SQUARE_SIZES:
             b = max(1, min(SQUARE_BATCH_CAP, 2**24 // (k * k)))
             if not budget.left():
                 for op in ("symmetric_polynomial", "symmetric_product"):
-                    rows.append({"op": op, "shape": [b, k, k], "dtype": str(dtype), "skipped": "budget"})
+                    rows.add({"op": op, "shape": [b, k, k], "dtype": str(dtype), "skipped": "budget"})
                 continue
             x = torch.randn(b, k, 2 * k, device=DEVICE, generator=gen) / (2 * k) ** 0.5
-            rows += _square_cases(tsym, torch.bmm(x, x.mT).to(dtype), warmup, reps)
-    return rows
+            for row in _square_cases(tsym, torch.bmm(x, x.mT).to(dtype), warmup, reps):
+                rows.add(row)
 
 
 def _gram_case(tsym, x: torch.Tensor, warmup: int, reps: int) -> dict:
@@ -135,16 +152,14 @@ def _pair(op, x, torch_fn, triton_fn, err, warmup, reps) -> dict:
     return row
 
 
-def bench_orthogonalize(budget: Budget, warmup: int, reps: int) -> list[dict]:
-    rows = []
+def bench_orthogonalize(budget: Budget, warmup: int, reps: int, rows: Recorder) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     for b, k, n in ORTH_SHAPES:
         if not budget.left():
-            rows.append({"op": "orthogonalize", "shape": [b, k, n], "skipped": "budget"})
+            rows.add({"op": "orthogonalize", "shape": [b, k, n], "skipped": "budget"})
             continue
-        rows.append(_orthogonalize_case(torch.randn(b, k, n, device=DEVICE, generator=gen).to(torch.bfloat16),
+        rows.add(_orthogonalize_case(torch.randn(b, k, n, device=DEVICE, generator=gen).to(torch.bfloat16),
                                         warmup, reps))  # fmt: skip
-    return rows
 
 
 def _orthogonalize_case(x: torch.Tensor, warmup: int, reps: int) -> dict:
@@ -173,19 +188,17 @@ def _orthogonalize_case(x: torch.Tensor, warmup: int, reps: int) -> dict:
 DION3_HYPER = {"lr": 0.02, "weight_decay": 0.1, "scale": 1.0, "beta2": 0.95, "eps": 1e-8}
 
 
-def bench_dion3(tdion3, budget: Budget, warmup: int, reps: int) -> list[dict]:
-    rows = []
+def bench_dion3(tdion3, budget: Budget, warmup: int, reps: int, rows: Recorder) -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     for b, m, n, k in DION3_SHAPES:
         if not budget.left():
-            rows.append({"op": "dion3_update", "shape": [b, m, n, k], "skipped": "budget"})
+            rows.add({"op": "dion3_update", "shape": [b, m, n, k], "skipped": "budget"})
             continue
         params = [(0.02 * torch.randn(m, n, device=DEVICE, generator=gen)).to(torch.bfloat16) for _ in range(b)]
         index = torch.stack([torch.randperm(m, device=DEVICE, generator=gen)[:k] for _ in range(b)])
         o = (torch.randn(b, k, n, device=DEVICE, generator=gen) / n**0.5).to(torch.bfloat16)
         v = torch.rand(b, k, device=DEVICE, generator=gen) / n
-        rows.append(_dion3_case(tdion3, params, index, o, v, warmup, reps))
-    return rows
+        rows.add(_dion3_case(tdion3, params, index, o, v, warmup, reps))
 
 
 def _dion3_case(tdion3, params, index, o, v, warmup: int, reps: int) -> dict:
@@ -281,23 +294,24 @@ def main() -> None:
         report["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke run, interpreter)"
         report["min_triton_size_in_use"] = kernels.MIN_TRITON_SIZE
         budget = Budget(args.budget_s)
-        start = time.monotonic()
-        results: list[dict] = []
-        report["results"] = results
-        # Cheapest first; the JSON is rewritten after each section, and a section that breaks is
-        # recorded and skipped, so a kill or an error keeps what was measured.
-        sections = [("dion3", lambda: bench_dion3(triton_dion3, budget, args.warmup, args.reps)),
-                    ("products", lambda: bench_products(triton_symmetric, budget, args.warmup, args.reps)),
-                    ("orthogonalize", lambda: bench_orthogonalize(budget, args.warmup, args.reps))]
+        rows = Recorder(report, args.out)
+        # Cheapest first; the JSON is rewritten after each row, and a section that breaks is recorded
+        # and skipped, so an error, or a stop (SIGINT) in the middle of a section, keeps what was measured.
+        sections = [("dion3", lambda: bench_dion3(triton_dion3, budget, args.warmup, args.reps, rows)),
+                    ("products", lambda: bench_products(triton_symmetric, budget, args.warmup, args.reps, rows)),
+                    ("orthogonalize", lambda: bench_orthogonalize(budget, args.warmup, args.reps, rows))]
         for name, run in sections:
             try:
-                results += run()
+                run()
+            except KeyboardInterrupt:
+                report["stopped"] = f"interrupted during the {name} section"
+                rows.save()
+                print(f"kernels_bench: {report['stopped']}; {args.out} keeps the rows measured", flush=True)
+                sys.exit(130)
             except Exception as e:
                 traceback.print_exc()
                 report.setdefault("failed", {})[name] = f"{type(e).__name__}: {str(e)[:300]}"
-            report["suggested_min_triton_size"] = suggest_min_size(results)
-            report["seconds"] = time.monotonic() - start
-            write_report(report, args.out)
+            rows.save()
         print(f"suggested MIN_TRITON_SIZE: {report['suggested_min_triton_size']} "
               f"(in use: {kernels.MIN_TRITON_SIZE}); {report['seconds']:.0f} s")  # fmt: skip
     write_report(report, args.out)

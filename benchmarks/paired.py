@@ -56,6 +56,8 @@ def paired_times(step_a: Callable[[], Any], step_b: Callable[[], Any], steps: in
                  device: torch.device) -> tuple[list[float], list[float]]:
     """Milliseconds of ``steps`` steps of each, taken in turn: A B, B A, A B, ... after ``warmup`` each."""
     def timed(step: Callable[[], Any]) -> float:
+        if device.type == "cuda":  # nothing queued before (the warm-up's steps) counts in this one
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         step()
         if device.type == "cuda":

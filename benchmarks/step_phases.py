@@ -112,6 +112,8 @@ def measure(name: str, shapes: list[tuple[int, int]], device: torch.device, warm
     opt = optimizer_factories()[name](params)
     for _ in range(warmup):
         opt.step()
+    if device.type == "cuda":  # the warm-up's queued work is not the first timed step's
+        torch.cuda.synchronize(device)
     steps: list[float] = []
     per_phase: dict[str, list[float]] = defaultdict(list)
     with timed_phases(device) as spent:
