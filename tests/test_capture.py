@@ -70,6 +70,34 @@ def test_capturable_step_reads_nothing_back_from_the_device(name):
             assert "aten::_local_scalar_dense" in counter.names
 
 
+@pytest.mark.parametrize(("read", "name"), [
+    (lambda x: x.sum().item(), "aten::_local_scalar_dense"),
+    (lambda x: x.tolist(), "Tensor.tolist"),
+    (lambda x: x.cpu(), "Tensor.cpu"),
+    (lambda x: x.numpy(), "Tensor.numpy"),
+    (lambda x: x[x > 0], "aten::index"),
+    (lambda x: x.__setitem__(x > 0, 0.0), "aten::index_put_"),
+    (lambda x: torch.repeat_interleave(torch.tensor([1, 2])), "aten::repeat_interleave"),
+    (lambda x: torch.bincount(torch.tensor([1, 2])), "aten::bincount"),
+    (lambda x: torch.allclose(x, x), "aten::allclose"),
+    (lambda x: torch.where(x > 0), "aten::nonzero"),
+])
+def test_the_host_sync_counter_sees_each_kind_of_read(read, name):
+    x = torch.randn(4, 3)
+    with orthoptim.HostSyncCounter() as counter:
+        read(x)
+    assert name in counter.names, counter.names
+    with orthoptim.HostSyncCounter() as counter:  # what stays on the device is not a read
+        x[torch.tensor([0, 2])] = 1.0
+        torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([1, 2]), output_size=3)
+        x.to(torch.float64)
+    assert counter.names == [], counter.names
+    assert torch.Tensor.tolist is _TOLIST  # the methods are restored
+
+
+_TOLIST = torch.Tensor.tolist
+
+
 @pytest.mark.parametrize("blocks", [{"num_heads": 2}, {"split_sizes": [8, 8, 8]}])
 def test_capturable_fp16_dion_with_blocks_reads_nothing_back(blocks):
     """The fp16 overflow check took the largest block norm with Python's max: one read per block."""

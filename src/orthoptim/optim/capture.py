@@ -32,10 +32,19 @@ HOST_SYNC_OPS = frozenset({
     "aten::nonzero",
     "aten::masked_select",
     "aten::_unique2",
+    "aten::_unique",
     "aten::unique_consecutive",
     "aten::unique_dim",
     "aten::equal",
+    "aten::allclose",
+    "aten::bincount",
 })
+# Ops that sync only with a boolean index (its True count sizes the output), and one that syncs
+# unless it is told its output size.
+BOOLEAN_INDEX_OPS = frozenset({"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"})
+# Tensor methods that read values to the host without an op a dispatch mode sees (on a CPU tensor no
+# copy runs at all, but the same call on a CUDA tensor waits for the device).
+HOST_READ_METHODS = ("tolist", "cpu", "numpy")
 
 
 def capturing() -> bool:
@@ -43,18 +52,54 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
+def _reads_to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether this op, with these arguments, waits on the device to read a value back."""
+    if name in HOST_SYNC_OPS:
+        return True
+    if name in BOOLEAN_INDEX_OPS:
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] or ()) if t is not None)
+    if name == "aten::repeat_interleave":
+        return kwargs.get("output_size") is None
+    if name in ("aten::_to_copy", "aten::copy_"):  # a copy from an accelerator into host memory
+        src, dst_device = (args[0], kwargs.get("device")) if name == "aten::_to_copy" else (args[1], args[0].device)
+        return (isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_device is not None and
+                torch.device(dst_device).type == "cpu")
+    return False
+
+
 class HostSyncCounter(TorchDispatchMode):
-    """Records every op in ``HOST_SYNC_OPS`` run inside the ``with`` block (``.names``)."""
+    """Records, in ``.names``, every host read inside the ``with`` block: the ops of ``HOST_SYNC_OPS``,
+    indexing with a boolean mask, ``repeat_interleave`` without ``output_size``, copies from an
+    accelerator to the host, and the methods of ``HOST_READ_METHODS`` (on any device)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
+        self._methods: dict[str, Any] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = func._schema.name
-        if name in HOST_SYNC_OPS:
+        if _reads_to_host(name, args, kwargs):
             self.names.append(name)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        for method in HOST_READ_METHODS:
+            original = self._methods[method] = getattr(torch.Tensor, method)
+
+            def recorded(tensor, *args, _method=method, _original=original, **kwargs):
+                self.names.append(f"Tensor.{_method}")
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, method, recorded)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for method, original in self._methods.items():
+            setattr(torch.Tensor, method, original)
+        self._methods.clear()
+        return super().__exit__(*exc)
 
 
 class CapturedStep:
