@@ -541,6 +541,31 @@ def test_a_classifier_head_without_a_vocabulary_goes_to_adamw():
     assert "algorithm" not in group_of(orthoptim.param_groups(regressor), regressor.project.weight)
 
 
+def test_a_hidden_width_equal_to_an_embeddings_size_fools_neither_head_rule():
+    """Learned positions of max_len = d_model made every width-d Linear a vocabulary "candidate": the
+    classifier rule was never tried and fc stayed on Dion3. A vocabulary of d_model tokens scored
+    through the tied embedding (no Linear head) made the MLP's down-projection the "output head"."""
+
+    class TextClassifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos = nn.Embedding(1000, D), nn.Embedding(D, D)
+            self.mlp = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+            self.fc = nn.Linear(D, 2)
+
+    class TiedCharLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(D, D)
+            self.mlp_in, self.mlp_out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    classifier = make(TextClassifier)
+    assert group_of(orthoptim.param_groups(classifier), classifier.fc.weight)["algorithm"] == "adamw"
+    lm = make(TiedCharLM)
+    groups = orthoptim.param_groups(lm)
+    assert all("algorithm" not in group_of(groups, m.weight) for m in (lm.mlp_in, lm.mlp_out))
+
+
 def test_multihead_attention_in_proj_is_split_into_q_k_v():
     class Encoder(nn.Module):
         def __init__(self) -> None:

@@ -40,24 +40,30 @@ VOCABULARY_HEAD = "output head (outputs one score per vocabulary entry)"
 CLASSIFIER_HEAD = "output head (the model's last nn.Linear, named like a classifier)"
 
 
-def _output_heads(model: nn.Module, vocab_sizes: set[int]) -> dict[int, str]:
+def _output_heads(model: nn.Module, vocabularies: dict[int, set[int]]) -> dict[int, str]:
     """id of each output head's weight → why: the nn.Linear layers producing one score per entry of an
-    embedding's vocabulary. Every one whose outputs no nn.Linear reads (wider ones are hidden
-    activations; several: multi-token prediction heads, or one head per vocabulary); when an MLP is
-    as wide as the vocabulary (every such size is read), those named like a head, else the model's
-    last nn.Linear if it is one of them. Without any (a classifier, a ViT): the model's last
-    nn.Linear when its name says it is a classifier, as Muon's authors keep the last layer on AdamW."""
+    embedding's vocabulary (``vocabularies``: vocabulary size → the widths of the embeddings of that
+    size). Every one whose outputs no nn.Linear reads (wider ones are hidden activations; several:
+    multi-token prediction heads, or one head per vocabulary); when an MLP is as wide as the vocabulary
+    (every such size is read), those named like a head, else the model's last nn.Linear if it is one
+    of them and reads vectors as wide as that embedding's (an MLP's down-projection reads wider ones).
+    Without any (a classifier, a ViT): the model's last nn.Linear when its name says it is a
+    classifier, as Muon's authors keep the last layer on AdamW."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    candidates = [(name, m) for name, m in linears if m.out_features in vocab_sizes]
-    if not candidates:
-        if linears and _CLASSIFIER_NAMES & set(linears[-1][0].split(".")):
-            return {id(linears[-1][1].weight): CLASSIFIER_HEAD}
-        return {}
-    read_sizes = {m.in_features for _, m in linears}
-    unread = [m for _, m in candidates if m.out_features not in read_sizes]
-    named = [m for name, m in candidates if name.rsplit(".", 1)[-1] in _HEAD_NAMES]
-    last = [linears[-1][1]] if linears[-1][1] is candidates[-1][1] else []
-    return {id(m.weight): VOCABULARY_HEAD for m in (unread or named or last)}
+    candidates = [(name, m) for name, m in linears if m.out_features in vocabularies]
+    if candidates:
+        read_sizes = {m.in_features for _, m in linears}
+        unread = [m for _, m in candidates if m.out_features not in read_sizes]
+        named = [m for name, m in candidates if name.rsplit(".", 1)[-1] in _HEAD_NAMES]
+        final = linears[-1][1]
+        last = [final] if final is candidates[-1][1] and final.in_features in vocabularies[final.out_features] else []
+        if heads := unread or named or last:
+            return {id(m.weight): VOCABULARY_HEAD for m in heads}
+    # No layer scores a vocabulary (or a hidden width merely equals an embedding's size, as learned
+    # positions of max_len = d_model do): a classifier head, if the last layer is named like one.
+    if linears and _CLASSIFIER_NAMES & set(linears[-1][0].split(".")):
+        return {id(linears[-1][1].weight): CLASSIFIER_HEAD}
+    return {}
 
 
 def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
@@ -74,12 +80,12 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
     """id(param) → (kind, reason) for every trainable parameter; kinds: matrix, conv, conv_transpose,
     in_out (stored [in, out]), qkv (a fused in_proj_weight) and scalar."""
     embeddings: dict[int, str] = {}
-    vocab_sizes: set[int] = set()
+    vocabularies: dict[int, set[int]] = {}
     for mname, module in model.named_modules():
         if isinstance(module, _EMBEDDING_TYPES):
             embeddings[id(module.weight)] = mname or "<root>"
-            vocab_sizes.add(module.num_embeddings)
-    heads = _output_heads(model, vocab_sizes)
+            vocabularies.setdefault(module.num_embeddings, set()).add(module.embedding_dim)
+    heads = _output_heads(model, vocabularies)
     owners = _parametrized_owners(model)
     kinds: dict[int, tuple[str, str]] = {}
     for _mname, module in model.named_modules():
