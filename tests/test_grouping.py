@@ -566,6 +566,31 @@ def test_a_hidden_width_equal_to_an_embeddings_size_fools_neither_head_rule():
     assert all("algorithm" not in group_of(groups, m.weight) for m in (lm.mlp_in, lm.mlp_out))
 
 
+def test_recurrent_gate_weights_are_split_into_their_gates():
+    """LSTM (4 gates) and GRU (3) stack their gates' rows in weight_ih/weight_hh, as attention stacks
+    q, k, v: one block per gate. nn.RNN's one gate and an LSTM's projection weight_hr stay whole."""
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(8, D, num_layers=2, bidirectional=True, proj_size=4)
+            self.gru, self.rnn, self.cell = nn.GRU(8, 12), nn.RNN(8, 6), nn.GRUCell(8, 10)
+
+    model = make(Recurrent)
+    groups = orthoptim.param_groups(model)
+    for p, block, gates in [(model.lstm.weight_ih_l1_reverse, D, 4), (model.lstm.weight_hh_l0, D, 4),
+                            (model.gru.weight_hh_l0, 12, 3), (model.cell.weight_ih, 10, 3)]:
+        assert group_of(groups, p)["split_sizes"] == [block] * gates
+    for p in (model.lstm.weight_hr_l0, model.rnn.weight_ih_l0, model.rnn.weight_hh_l0):
+        assert "split_sizes" not in group_of(groups, p)
+    opt = orthoptim.Dion3(groups)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    before = model.gru.weight_ih_l0.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.gru.weight_ih_l0)
+
+
 def test_multihead_attention_in_proj_is_split_into_q_k_v():
     class Encoder(nn.Module):
         def __init__(self) -> None:

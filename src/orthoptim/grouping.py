@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,6 +67,23 @@ def _output_heads(model: nn.Module, vocabularies: dict[int, set[int]]) -> dict[i
     return {}
 
 
+# Weights that stack several projections' rows (kind → how many): split_sizes keeps them apart.
+_STACKED_BLOCKS = {"qkv": 3, "lstm_gates": 4, "gru_gates": 3}
+_RECURRENT_WEIGHT = re.compile(r"weight_(ih|hh)(_l\d+(_reverse)?)?")
+
+
+def _stacked_gates(module: nn.Module, pname: str) -> str | None:
+    """The kind of a recurrent layer's input or hidden weight that stacks its gates' rows (LSTM: i, f,
+    g, o; GRU: r, z, n), or None. nn.RNN has one gate; an LSTM's projection weight_hr is one matrix."""
+    if not _RECURRENT_WEIGHT.fullmatch(pname):
+        return None
+    if isinstance(module, (nn.LSTM, nn.LSTMCell)):
+        return "lstm_gates"
+    if isinstance(module, (nn.GRU, nn.GRUCell)):
+        return "gru_gates"
+    return None
+
+
 def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     """id of each ParametrizationList (torch.nn.utils.parametrize, e.g. weight_norm) → the module
     and tensor name it parametrizes: a conv's weight lives there, not on the conv."""
@@ -78,7 +96,8 @@ def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
 
 def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
     """id(param) → (kind, reason) for every trainable parameter; kinds: matrix, conv, conv_transpose,
-    in_out (stored [in, out]), qkv (a fused in_proj_weight) and scalar."""
+    in_out (stored [in, out]), qkv (a fused in_proj_weight), lstm_gates and gru_gates (a recurrent
+    layer's stacked gate weights) and scalar."""
     embeddings: dict[int, str] = {}
     vocabularies: dict[int, set[int]] = {}
     for mname, module in model.named_modules():
@@ -107,6 +126,9 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                 kinds[id(p)] = ("scalar", f"vector-shaped {tuple(p.shape)}")
             elif isinstance(module, nn.MultiheadAttention) and pname == "in_proj_weight":
                 kinds[id(p)] = ("qkv", "attention in_proj_weight: q, k and v orthogonalized apart (split_sizes)")
+            elif (gates := _stacked_gates(module, pname)) is not None:
+                kinds[id(p)] = (gates, f"{type(module).__name__} {pname}: its {_STACKED_BLOCKS[gates]} gates' "
+                                       "weights orthogonalized apart (split_sizes)")
             elif isinstance(owner, _CONV_TRANSPOSE_TYPES) and (owned or pname) in _WEIGHT_NAMES:
                 # Stored [in, out/groups, k…]: flattened and read transposed, its rows are outputs.
                 kinds[id(p)] = ("conv_transpose", "transposed-conv weight [in, out, k…], read as [out·k…, in]")
@@ -139,7 +161,8 @@ def param_groups(
       ``flatten=True`` (transposed convs, stored [in, out, k…], also ``transpose=True``); weights
       stored [in, out] by GPT-2's ``Conv1D`` with ``transpose=True`` (which runs on whole matrices:
       to shard them with FSDP2, ``overrides={"*.c_*": {"transpose": False}}``); ``nn.MultiheadAttention``'s
-      fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart);
+      fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart), and LSTM/GRU (and their
+      cells') ``weight_ih``/``weight_hh`` with one block per gate ([h]·4, [h]·3);
     - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
       the model's last Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
       norms and other tensors with at most one dimension above 1 → ``scalar_algorithm`` ("adamw" or
@@ -191,9 +214,10 @@ def param_groups(
             options["flatten"] = True
         if kind in ("conv_transpose", "in_out") and "transpose" not in options and matrix_rule:
             options["transpose"] = True
-        # nn.MultiheadAttention keeps q, k and v stacked in one [3e, e] weight: as three projections.
-        if kind == "qkv" and "split_sizes" not in options and matrix_rule:
-            options["split_sizes"] = [p.shape[0] // 3] * 3
+        # nn.MultiheadAttention keeps q, k and v stacked in one [3e, e] weight, LSTM and GRU layers their
+        # gates in [4h, ·] and [3h, ·] ones: as that many projections.
+        if kind in _STACKED_BLOCKS and "split_sizes" not in options and matrix_rule:
+            options["split_sizes"] = [p.shape[0] // _STACKED_BLOCKS[kind]] * _STACKED_BLOCKS[kind]
         label = pattern or kind
         key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))
         group = groups.setdefault(key, {"name": label, "params": [], "param_names": [], **options})
