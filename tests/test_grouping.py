@@ -589,6 +589,20 @@ def test_recurrent_gate_weights_are_split_into_their_gates():
     before = model.gru.weight_ih_l0.detach().clone()
     opt.step()
     assert not torch.equal(before, model.gru.weight_ih_l0)
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class WeightNormed(nn.Module):  # the gate weights' directions under both weight norms
+        def __init__(self) -> None:
+            super().__init__()
+            self.legacy = nn.utils.weight_norm(nn.LSTM(8, D), "weight_hh_l0")
+            self.new = weight_norm(nn.GRU(8, 12), "weight_hh_l0")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # nn.utils.weight_norm is deprecated
+        normed = make(WeightNormed)
+    groups = orthoptim.param_groups(normed)
+    assert group_of(groups, normed.legacy.weight_hh_l0_v)["split_sizes"] == [D] * 4
+    assert group_of(groups, normed.new.parametrizations.weight_hh_l0.original1)["split_sizes"] == [12] * 3
 
 
 def test_multihead_attention_in_proj_is_split_into_q_k_v():

@@ -69,7 +69,8 @@ def _output_heads(model: nn.Module, vocabularies: dict[int, set[int]]) -> dict[i
 
 # Weights that stack several projections' rows (kind → how many): split_sizes keeps them apart.
 _STACKED_BLOCKS = {"qkv": 3, "lstm_gates": 4, "gru_gates": 3}
-_RECURRENT_WEIGHT = re.compile(r"weight_(ih|hh)(_l\d+(_reverse)?)?")
+# weight_ih, weight_hh_l1_reverse…; _v and _orig: under nn.utils.weight_norm and spectral_norm.
+_RECURRENT_WEIGHT = re.compile(r"weight_(ih|hh)(_l\d+(_reverse)?)?(_v|_orig)?")
 
 
 def _stacked_gates(module: nn.Module, pname: str) -> str | None:
@@ -126,8 +127,8 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                 kinds[id(p)] = ("scalar", f"vector-shaped {tuple(p.shape)}")
             elif isinstance(module, nn.MultiheadAttention) and pname == "in_proj_weight":
                 kinds[id(p)] = ("qkv", "attention in_proj_weight: q, k and v orthogonalized apart (split_sizes)")
-            elif (gates := _stacked_gates(module, pname)) is not None:
-                kinds[id(p)] = (gates, f"{type(module).__name__} {pname}: its {_STACKED_BLOCKS[gates]} gates' "
+            elif (gates := _stacked_gates(owner, owned or pname)) is not None:
+                kinds[id(p)] = (gates, f"recurrent {owned or pname}: its {_STACKED_BLOCKS[gates]} gates' "
                                        "weights orthogonalized apart (split_sizes)")
             elif isinstance(owner, _CONV_TRANSPOSE_TYPES) and (owned or pname) in _WEIGHT_NAMES:
                 # Stored [in, out/groups, k…]: flattened and read transposed, its rows are outputs.
