@@ -92,10 +92,20 @@ def test_the_host_sync_counter_sees_each_kind_of_read(read, name):
         torch.repeat_interleave(torch.tensor([1, 2]), torch.tensor([1, 2]), output_size=3)
         x.to(torch.float64)
     assert counter.names == [], counter.names
-    assert torch.Tensor.tolist is _TOLIST  # the methods are restored
 
 
-_TOLIST = torch.Tensor.tolist
+def test_the_host_sync_counter_patches_nothing_and_nests():
+    """It once replaced Tensor methods process-wide: counters exited out of order left them patched."""
+    outer, inner = orthoptim.HostSyncCounter(), orthoptim.HostSyncCounter()
+    x = torch.randn(3)
+    with outer:
+        with inner:
+            x.tolist()
+        x.cpu()
+    assert inner.names == ["Tensor.tolist"] and outer.names.count("Tensor.cpu") == 1, (inner.names, outer.names)
+    assert "tolist" not in vars(torch.Tensor) or vars(torch.Tensor)["tolist"] is torch._C.TensorBase.tolist
+    x.tolist()
+    assert inner.names == ["Tensor.tolist"]  # nothing recorded after the block
 
 
 @pytest.mark.parametrize("blocks", [{"num_heads": 2}, {"split_sizes": [8, 8, 8]}])

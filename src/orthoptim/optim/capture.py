@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from orthoptim.distributed.dtensor import local_tensor
@@ -67,6 +68,26 @@ def _reads_to_host(name: str, args: tuple, kwargs: dict) -> bool:
     return False
 
 
+class _HostReadMethods(TorchFunctionMode):
+    """The methods of ``HOST_READ_METHODS``, seen at the torch-function level (per thread, nested
+    properly, nothing patched), recorded into a ``HostSyncCounter``'s names."""
+
+    def __init__(self, counter: HostSyncCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", None)
+        if name in HOST_READ_METHODS and func is getattr(torch.Tensor, name, None):
+            self.counter.names.append(f"Tensor.{name}")
+            self.counter.in_method += 1  # the copy it runs is this read, not another one
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.counter.in_method -= 1
+        return func(*args, **(kwargs or {}))
+
+
 class HostSyncCounter(TorchDispatchMode):
     """Records, in ``.names``, every host read inside the ``with`` block: the ops of ``HOST_SYNC_OPS``,
     indexing with a boolean mask, ``repeat_interleave`` without ``output_size``, copies from an
@@ -75,31 +96,29 @@ class HostSyncCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.names: list[str] = []
-        self._methods: dict[str, Any] = {}
+        self.in_method = 0
+        self._methods = _HostReadMethods(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._schema.name
-        if _reads_to_host(name, args, kwargs):
+        if not self.in_method and _reads_to_host(name, args, kwargs):
             self.names.append(name)
         return func(*args, **kwargs)
 
     def __enter__(self):
-        for method in HOST_READ_METHODS:
-            original = self._methods[method] = getattr(torch.Tensor, method)
-
-            def recorded(tensor, *args, _method=method, _original=original, **kwargs):
-                self.names.append(f"Tensor.{_method}")
-                return _original(tensor, *args, **kwargs)
-
-            setattr(torch.Tensor, method, recorded)
-        return super().__enter__()
+        self._methods.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._methods.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
-        for method, original in self._methods.items():
-            setattr(torch.Tensor, method, original)
-        self._methods.clear()
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._methods.__exit__(*exc)
 
 
 class CapturedStep:
