@@ -557,8 +557,13 @@ def _resize_lin(model: nn.Module) -> None:
     model.lin.weight.data = torch.randn(2 * model.lin.weight.shape[0], model.lin.weight.shape[1])
 
 
+def _slice_lin(model: nn.Module) -> None:  # the same storage, fewer rows
+    model.lin.weight.data = model.lin.weight.data[: model.lin.weight.shape[0] // 2]
+
+
 @pytest.mark.parametrize(("change", "fragments"), [
     (_resize_lin, ["lin.weight", "parameter's shape"]),
+    (_slice_lin, ["lin.weight", "parameter's shape"]),
     (lambda model: model.to(torch.bfloat16), ["bfloat16", "its state", "load_state_dict"]),
     (lambda model: model.to(memory_format=torch.channels_last), ["conv.weight", "not contiguous"]),
 ])

@@ -28,6 +28,13 @@ def local_tensor(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def storage_address(t: Tensor) -> int:
+    """The address of a tensor's (a DTensor's local block's) first element: new whenever ``.data`` is
+    replaced or the tensor converted or moved. A DTensor's own data_ptr() is 0; its block's is read
+    without to_local's view."""
+    return (t._local_tensor if isinstance(t, DTensor) else t).data_ptr()
+
+
 def chunked_local_shape(p: Tensor) -> tuple[int, ...]:
     """The shape of this rank's block of a DTensor under torch.chunk-style sharding, as DTensor and
     FSDP2 split it: each Shard(d) in mesh-dimension order splits what the earlier ones left."""

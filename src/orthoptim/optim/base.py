@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from orthoptim import rules
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
 from orthoptim.distributed.column_exchange import ColumnShardedPlan
-from orthoptim.distributed.dtensor import DTensor, local_tensor, shard_rows
+from orthoptim.distributed.dtensor import DTensor, local_tensor, shard_rows, storage_address
 from orthoptim.distributed.factor_sharding import FactorSharding
 from orthoptim.distributed.gather import Gathered
 from orthoptim.distributed.low_rank import sharded_low_rank_factors
@@ -76,6 +76,7 @@ DEFAULT_ORTHOGONALIZER = {"dion3": "gram", "dion2": "polar_express", "muon": "po
                           "normuon": "polar_express"}
 # Keys that are not hyperparameters but may legitimately sit in a group.
 _BOOKKEEPING_KEYS = {"params", "param_names", "name", "initial_lr"}
+_PLAIN_TENSORS = {Tensor, torch.nn.Parameter}  # not DTensors, whose data_ptr() is 0
 # Single process, a megabatch is orthogonalized in up to this many parts of at least this many
 # elements (see OrthonormalOptimizer._memory_chunks): transient memory vs the size of batched calls.
 MEMORY_CHUNKS = 4
@@ -137,8 +138,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         validate_group(full, "the optimizer's defaults")
         self._names: dict[Tensor, str] = {}
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
-        # The options each parameter was last checked under at step time (see _check_group_at_step).
-        self._checked_options: dict[Tensor, tuple[Any, ...]] = {}
+        # Each group's options and parameters as they were last checked at step time (_check_group_at_step).
+        self._checked_groups: dict[int, tuple[Any, ...]] = {}
         # Each group's betas at its last step, for groups whose algorithm does not read them.
         self._betas_seen: dict[int, tuple[float, ...]] = {}
         self._betas_warned: set[int] = set()
@@ -166,7 +167,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # An optimizer pickled by an earlier version lacks what later ones added.
-        for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict)):
+        for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict),
+                            ("_checked_groups", dict)):
             self.__dict__.setdefault(name, empty())
         for key, value in OPTIONS_ADDED_LATER.items():
             self.defaults.setdefault(key, value)
@@ -266,8 +268,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         """Before a step changes anything: the group's options as they are now (schedules and hand edits
         may have changed them), and what they mean for each parameter: its matrix view (num_heads,
         split_sizes, flatten, a matrix rule on a vector) and the shapes of the state it already has.
-        The per-parameter part is redone only for options, or a parameter's shape, strides, dtype and
-        device (``p.data = ...``, ``model.to(...)`` after the optimizer was built), not yet checked together."""
+        The per-parameter part is redone only when the options, or a parameter's storage or size, differ
+        from the group's last check: ``p.data = ...`` and ``model.to(...)`` (dtype, device, memory format)
+        after the optimizer was built give a parameter new storage; a parameter put into the group by
+        hand changes the list. A comparison of addresses: this runs every step."""
         where = f"param group {index} (at step time)"
         # A tensor lr is not read (that would sync with its device); it was checked when it was set.
         validate_group({**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group, where)
@@ -276,18 +280,22 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         splits = group["split_sizes"]
         key = (group["algorithm"], group["flatten"], group["transpose"], group["num_heads"],
                tuple(splits) if splits is not None else None, group["rank_fraction"])
+        params = group["params"]
+        # Addresses and sizes, as cheaply as Python gets them (~0.1 µs a parameter).
+        plain = set(map(type, params)) <= _PLAIN_TENSORS
+        addresses = list(map(Tensor.data_ptr if plain else storage_address, params))
+        signature = (key, addresses, list(map(Tensor.numel, params)))
+        if self._checked_groups.get(index) == signature:
+            return
         for p in group["params"]:
             if isinstance(p, Tensor) and p not in self._positions:
                 raise ValueError(
                     f"param group {index} holds a parameter of shape {tuple(p.shape)} that was put into "
                     "group['params'] directly; add parameters with optimizer.add_param_group({'params': [...]}), "
                     "which checks them and creates their state")
-            seen = (key, tuple(p.shape), p.stride(), p.dtype, p.device)
-            if self._checked_options.get(p) == seen:
-                continue
             self._check_param(p, group, self.param_name(p))
             self._check_state_shapes(p, group)
-            self._checked_options[p] = seen
+        self._checked_groups[index] = signature
 
     def _warn_cycled_betas(self, group: dict[str, Any], index: int) -> None:
         """A scheduler that cycles momentum (OneCycleLR's and CyclicLR's default cycle_momentum=True)

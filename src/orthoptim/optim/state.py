@@ -4,7 +4,7 @@ distributed checkpoints load), and checked when a state dict is loaded.
 ``StateKeeping`` is a part of ``OrthonormalOptimizer`` (``optim/base.py``); it reads the
 optimizer's ``state``, ``param_groups``, ``capturable``, ``_positions``, ``param_name``, its matrix
 views and layouts (``_view``, ``_layout``) and its parameter check (``_check_param``), and clears
-``_checked_options`` (the step-time checks' memory) when a state dict is loaded, and averages Dion's
+``_checked_groups`` (the step-time checks' memory) when a state dict is loaded, and averages Dion's
 momenta over ``replicate_mesh`` when one is taken (``ShardedParameters.synchronize_replicas``).
 """
 
@@ -305,7 +305,7 @@ class StateKeeping:
     def _load_checked(self, state_dict: dict[str, Any]) -> None:
         state_dict = self._as_loaded_here(state_dict)
         self._check_loadable(state_dict)
-        self._checked_options.clear()  # the next step checks the loaded options and state afresh
+        self._checked_groups.clear()  # the next step checks the loaded options and state afresh
         self._steps_since_replica_sync = 0  # every replica loads the same momenta
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
         # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
