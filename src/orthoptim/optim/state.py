@@ -291,7 +291,9 @@ class StateKeeping:
         # the hooks run here first, and the post-hooks after this optimizer's own work on the loaded state.
         state_dict = dict(state_dict)
         for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            state_dict = hook(self, state_dict) or state_dict
+            result = hook(self, state_dict)
+            if result is not None:  # as torch.optim: any returned dict replaces it
+                state_dict = result
         pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
