@@ -67,6 +67,8 @@ def _output_heads(model: nn.Module, vocabularies: dict[int, set[int]]) -> dict[i
     return {}
 
 
+# Names of tables (position embeddings, learned tokens) that models keep as bare parameters.
+_EMBEDDING_LIKE = re.compile(r"emb|(^|_)(pos|position|positional|relative_position)(_|$)|(^|_)tokens?(_|$)")
 # Weights that stack several projections' rows (kind → how many): split_sizes keeps them apart.
 _STACKED_BLOCKS = {"qkv": 3, "lstm_gates": 4, "gru_gates": 3}
 # weight_ih, weight_hh_l1_reverse…; _v and _orig: under nn.utils.weight_norm and spectral_norm.
@@ -139,6 +141,13 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                     getattr(module, "nf", None) == p.shape[1]:
                 # GPT-2's (Hugging Face) Conv1D is a linear layer that stores its weight [in, out].
                 kinds[id(p)] = ("in_out", "Conv1D weight stored [in, out] (x @ W), read transposed")
+            elif owned is None and pname not in _WEIGHT_NAMES and (_EMBEDDING_LIKE.search(pname) or
+                                                                   (p.ndim == 3 and p.shape[0] == 1)):
+                # A table a module keeps as a bare nn.Parameter (ViT's pos_embed (1, N, d), register tokens,
+                # Swin's relative_position_bias_table): an embedding, not a linear map.
+                what = ("named like an embedding, a position table or learned tokens" if _EMBEDDING_LIKE.search(pname)
+                        else "shaped (1, …) for broadcasting")
+                kinds[id(p)] = ("scalar", f"a module's own parameter {what}: a table, not a linear map")
             elif p.ndim in (2, 3):
                 kinds[id(p)] = ("matrix", "matrix" if p.ndim == 2 else "batch of matrices")
             else:
