@@ -173,7 +173,8 @@ def param_groups(
       to shard them with FSDP2, ``overrides={"*.c_*": {"transpose": False}}``); ``nn.MultiheadAttention``'s
       fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart), and LSTM/GRU (and their
       cells') ``weight_ih``/``weight_hh`` with one block per gate ([h]·4, [h]·3);
-    - embeddings, output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
+    - embeddings (also tables kept as bare parameters: named like ``pos_embed``, ``*_tokens``, or shaped
+      (1, …) for broadcasting), output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
       the model's last Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
       norms and other tensors with at most one dimension above 1 → ``scalar_algorithm`` ("adamw" or
       "lion"), with ``lr=scalar_lr`` and ``weight_decay=scalar_weight_decay`` when given; otherwise
