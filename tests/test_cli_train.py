@@ -196,6 +196,21 @@ def test_vocab_size_is_checked_against_the_largest_token_not_the_rounded_default
     assert "does not hold the data's token 299; give at least 300" in capsys.readouterr().err
 
 
+def test_one_lr_leaves_the_adamw_groups_alone_whatever_the_comparison(tmp_path, capsys):
+    """--lr 0.01 gave Dion3's embeddings, head and norms lr 0.01 when adamw was in --compare and 0.004
+    when it was not: the same Dion3 settings trained differently next to another optimizer."""
+    from orthoptim.cli.train import resolve_config
+
+    with_adamw = resolve_config({"optimizers": ["dion3", "adamw"], "lr": 0.01})
+    without = resolve_config({"optimizers": ["dion3", "muon"], "lr": 0.01})
+    assert with_adamw.scalar_lr == without.scalar_lr == 0.004 and with_adamw.lr_for("adamw") == 0.01
+    named = resolve_config({"optimizers": ["dion3", "adamw"], "lr": {"adamw": 0.002}})
+    assert named.scalar_lr == 0.002  # adamw's lr given by name still sets them
+    assert resolve_config({"optimizers": ["dion3"], "lr": 0.01, "scalar_lr": 0.001}).scalar_lr == 0.001
+    assert _train(tmp_path, "--optimizer", "adamw", "--scalar-lr", "0.001") == 2  # nothing would read it
+    assert "trains only adamw" in capsys.readouterr().err
+
+
 def test_reproduce_command_keeps_every_digit_of_the_lr(tmp_path):
     out = tmp_path / "run"
     assert _train(tmp_path, "--optimizer", "muon", "--lr", "0.0123456789", "--steps", "1", "--out", str(out),

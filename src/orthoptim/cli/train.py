@@ -203,7 +203,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           f"(default: {', '.join(f'{k}={v:g}' for k, v in DEFAULT_LR.items())})")
     opt.add_argument("--scalar-lr", type=_finite_float, metavar="LR",
                      help="lr of the AdamW groups (embeddings, head, norms) of the orthonormal optimizers "
-                          "(default: AdamW's lr)")
+                          f"(default: adamw's lr from --lr adamw=LR, else {DEFAULT_LR['adamw']:g})")
     opt.add_argument("--weight-decay", type=_finite_float, metavar="WD",
                      help=f"decoupled weight decay of the matrices; none on embeddings, head, norms "
                           f"(default: {d.weight_decay:g})")
@@ -268,6 +268,13 @@ def resolve_config(given: dict[str, Any]) -> TrainConfig:
     lr = given.get("lr")
     if isinstance(lr, float):
         values["lr"] = dict.fromkeys(values["optimizers"], lr)
+        if "scalar_lr" not in given:
+            # One --lr is each optimizer's own lr; the AdamW groups of the orthonormal ones keep AdamW's
+            # default, whether or not adamw is in the comparison (it once took --lr only when it was).
+            values["scalar_lr"] = DEFAULT_LR["adamw"]
+    if "scalar_lr" in given and all(name == "adamw" for name in values["optimizers"]):
+        raise UsageError("--scalar-lr sets the AdamW groups of the orthonormal optimizers, and this run trains "
+                         "only adamw; its learning rate is --lr")
     values.update(_absolute_paths(values))
     cfg = TrainConfig.from_dict(values)
     check_config(cfg)
