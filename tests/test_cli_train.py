@@ -74,6 +74,26 @@ def test_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(value, ckpt_b["model"][key]), key
 
 
+def test_resuming_on_another_kind_of_device_keeps_the_autocast_the_run_had(tmp_path):
+    """--autocast auto is bf16 on CUDA, off on CPU: a run moved by --resume --device to another kind
+    of device would have switched precision half-way. (A CUDA run is faked by its config here.)"""
+    out = tmp_path / "run"
+    assert _train(tmp_path, "--optimizer", "adamw", "--steps", "4", "--stop-at", "2", "--no-plot",
+                  "--out", str(out)) == 0
+    config_file = out / "config.json"
+    header = json.loads(config_file.read_text())
+    assert header["config"]["autocast"] == "auto"
+    header["config"]["device"] = "cuda"  # as if it had started on a GPU: its config and its checkpoint
+    config_file.write_text(json.dumps(header))
+    checkpoint = out / "checkpoints" / "adamw.pt"
+    saved = torch.load(checkpoint, weights_only=False)
+    saved["config"]["device"] = "cuda"
+    torch.save(saved, checkpoint)
+    assert main(["train", "--resume", str(out), "--device", "cpu", "--quiet", "--no-plot"]) == 0
+    resumed = json.loads(config_file.read_text())["config"]
+    assert resumed["device"] == "cpu" and resumed["autocast"] == "bf16"
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--optimizer", "sgd"], "unknown optimizer(s) sgd"),
     (["--compare", "dion3,dion3"], "names an optimizer twice"),

@@ -33,6 +33,7 @@ from orthoptim.train.loop import (
     Parallel,
     TrainConfig,
     checkpoint_path,
+    effective_autocast,
     environment,
     make_parallel,
     reproduce_command,
@@ -355,6 +356,10 @@ def run(args: argparse.Namespace) -> int:
             saved = json.loads(config_file.read_text())
             values = saved["config"]
             changed = {k: v for k, v in given.items() if k in ("device", "cache_dir")}
+            if "device" in changed and values.get("autocast") == "auto":
+                # "auto" means bf16 autocast on CUDA only: moving the run to another kind of device keeps
+                # the precision it trained in.
+                values = {**values, "autocast": effective_autocast(values)}
             cfg = TrainConfig.from_dict({**values, **changed, **_absolute_paths(changed)})
         except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
             raise CommandError(f"--resume {out_dir}: {config_file} cannot be read as this command's configuration "
