@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -470,6 +471,9 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
     runs: dict[str, dict] = {}
     started = time.perf_counter()
     for name in cfg.optimizers:
+        # The previous run's model and optimizer may be held by reference cycles: freed now, so that
+        # this run's CUDA peak memory (reset when it starts) does not count them.
+        gc.collect()
         progress = Progress(cfg.steps, enabled=not quiet)
         try:
             runs[name] = train(name, cfg, dataset, out_dir, stop_at=stop_at, progress=progress, parallel=parallel)
