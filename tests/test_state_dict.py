@@ -492,13 +492,18 @@ def test_loading_another_algorithms_state_dict_warns_that_it_now_runs():
     saved = orthoptim.Dion3(model.parameters(), lr=0.02)
     saved.step()
     target = orthoptim.Muon(model.parameters(), lr=0.02)
-    with pytest.warns(UserWarning, match=r"param group 0: the state dict sets algorithm='dion3' .* had 'muon'"):
+    with pytest.warns(UserWarning, match=r"group 0: the state dict sets algorithm='dion3'.* had algorithm='muon'"):
         target.load_state_dict(saved.state_dict())
     assert target.param_groups[0]["algorithm"] == "dion3"
-    same = orthoptim.Dion3(model.parameters(), lr=0.01)
+    same = orthoptim.Dion3(model.parameters(), lr=0.01)  # another lr: schedules own it, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(saved.state_dict())
+    # A fraction the new optimizer was built with is replaced by the saved one: said, as the algorithm is.
+    wider = orthoptim.Dion3(model.parameters(), lr=0.02, fraction=0.5)
+    with pytest.warns(UserWarning, match=r"sets fraction=0.25 .* had fraction=0.5.*group\['fraction'\] back"):
+        wider.load_state_dict(saved.state_dict())
+    assert wider.param_groups[0]["fraction"] == 0.25
 
 
 @pytest.mark.parametrize("cls", [orthoptim.Dion3, orthoptim.NorMuon, orthoptim.Dion])

@@ -49,6 +49,10 @@ def row_state_dtype(p: Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
+# Group options that change what a rule computes (a state dict that changes one gets a warning).
+_RULE_OPTIONS = ("algorithm", "fraction", "rank_fraction", "selection_scope", "nesterov", "orthogonalizer")
+
+
 class StateKeeping:
     """State creation (``_init_state``), its expected shapes, and a checked ``load_state_dict``."""
 
@@ -321,12 +325,19 @@ class StateKeeping:
         for index, (group, old) in enumerate(zip(self.param_groups, before)):
             for key, value in old.items():  # keys a state dict of an older version lacks keep their values
                 group.setdefault(key, value)
-            if group["algorithm"] != old["algorithm"]:
+            # The options that decide what the rule does (not lr, which schedules own): a silent change
+            # of one would leave the optimizer the caller built running another rule.
+            reads = options_read_by(group["algorithm"])
+            changed = [k for k in _RULE_OPTIONS if (k == "algorithm" or k in reads) and group.get(k) != old.get(k)
+                       and not callable(group.get(k)) and not callable(old.get(k))]  # a callable: _own_callable
+            if changed:
+                sets = ", ".join(f"{k}={group[k]!r}" for k in changed)
+                had = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
                 warnings.warn(
-                    f"param group {index}: the state dict sets algorithm={group['algorithm']!r} where this "
-                    f"{type(self).__name__}'s group had {old['algorithm']!r}; as in torch.optim, the saved "
-                    f"hyperparameters win, so the group now runs {group['algorithm']!r}. Build the optimizer the "
-                    "checkpoint was saved from, or set group['algorithm'] back after loading", stacklevel=2)
+                    f"param group {index}: the state dict sets {sets} where this {type(self).__name__}'s group "
+                    f"had {had}; as in torch.optim, the saved hyperparameters win, so the group now runs with "
+                    f"them. Build the optimizer the checkpoint was saved from, or set "
+                    f"{', '.join(f'group[{k!r}]' for k in changed)} back after loading", stacklevel=2)
         self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
         for group in self.param_groups:
             for p in group["params"]:
