@@ -214,7 +214,8 @@ def test_captured_cuda_graph_replays_equal_eager_steps(name):
 def test_capturable_state_dict_round_trip_keeps_device_steps_and_tensor_lrs():
     _, opt, _ = _train("muon", capturable=True, steps=2)
     params = _model()
-    fresh = orthoptim.Muon(_groups(params), capturable=True)
+    cls, options = OPTIMIZERS["muon"]
+    fresh = cls(_groups(params), capturable=True, **options)  # the same options: loading changes none
     fresh.load_state_dict(opt.state_dict())
     assert isinstance(fresh.param_groups[0]["lr"], torch.Tensor)
     assert fresh.state[params[3]]["step"].device == params[3].device
