@@ -227,6 +227,8 @@ def test_one_lr_leaves_the_adamw_groups_alone_whatever_the_comparison(tmp_path, 
     named = resolve_config({"optimizers": ["dion3", "adamw"], "lr": {"adamw": 0.002}})
     assert named.scalar_lr == 0.002  # adamw's lr given by name still sets them
     assert resolve_config({"optimizers": ["dion3"], "lr": 0.01, "scalar_lr": 0.001}).scalar_lr == 0.001
+    # adamw alone has no such groups: nothing saved, so its reproduce command runs (no --scalar-lr)
+    assert resolve_config({"optimizers": ["adamw"], "lr": 0.01}).scalar_lr is None
     assert _train(tmp_path, "--optimizer", "adamw", "--scalar-lr", "0.001") == 2  # nothing would read it
     assert "trains only adamw" in capsys.readouterr().err
 

@@ -608,7 +608,7 @@ def test_recurrent_gate_weights_are_split_into_their_gates():
 def test_tables_kept_as_bare_parameters_go_to_adamw():
     """ViT's pos_embed (1, N, d) was a "batch of matrices" and a bare (max_len, d) position table a
     "matrix": both tables, which the matrix rules would orthogonalize. Bare matrices with other names,
-    expert batches and a Bilinear's (1, in1, in2) weight stay matrices."""
+    expert batches, one key head's (1, d, h) stack and a Bilinear's (1, in1, in2) weight stay matrices."""
 
     class Model(nn.Module):
         def __init__(self) -> None:
@@ -617,16 +617,16 @@ def test_tables_kept_as_bare_parameters_go_to_adamw():
             self.register_tokens = nn.Parameter(torch.zeros(1, 4, D))
             self.relative_position_bias_table = nn.Parameter(torch.zeros(49, 4))
             self.pos_emb = nn.Parameter(torch.zeros(64, D))
-            self.prompt = nn.Parameter(torch.zeros(1, 5, D))  # (1, …): broadcast over the batch
+            self.W_K = nn.Parameter(torch.randn(1, D, 4))  # one key head (multi-query attention): a map
             self.experts = nn.Parameter(torch.randn(4, D, 2 * D))
             self.w_in = nn.Parameter(torch.randn(2 * D, D))
             self.bilinear = nn.Bilinear(8, 8, 1)
 
     model = make(Model)
     groups = orthoptim.param_groups(model)
-    for p in (model.pos_embed, model.register_tokens, model.relative_position_bias_table, model.pos_emb, model.prompt):
+    for p in (model.pos_embed, model.register_tokens, model.relative_position_bias_table, model.pos_emb):
         assert group_of(groups, p)["algorithm"] == "adamw", tuple(p.shape)
-    for p in (model.experts, model.w_in, model.bilinear.weight):
+    for p in (model.W_K, model.experts, model.w_in, model.bilinear.weight):
         assert "algorithm" not in group_of(groups, p), tuple(p.shape)
 
 

@@ -561,9 +561,19 @@ def _slice_lin(model: nn.Module) -> None:  # the same storage, fewer rows
     model.lin.weight.data = model.lin.weight.data[: model.lin.weight.shape[0] // 2]
 
 
+def _view_lin(model: nn.Module) -> None:  # the same storage and size, another shape
+    model.lin.weight.data = model.lin.weight.data.view(model.lin.weight.shape[1], -1)
+
+
+def _transpose_conv(model: nn.Module) -> None:  # the same storage, shape and size: another layout
+    model.conv.weight.data = model.conv.weight.data.transpose(2, 3)  # 3×3 kernels: the shape stays
+
+
 @pytest.mark.parametrize(("change", "fragments"), [
     (_resize_lin, ["lin.weight", "parameter's shape"]),
     (_slice_lin, ["lin.weight", "parameter's shape"]),
+    (_view_lin, ["lin.weight", "parameter's shape"]),
+    (_transpose_conv, ["conv.weight", "not contiguous"]),
     (lambda model: model.to(torch.bfloat16), ["bfloat16", "its state", "load_state_dict"]),
     (lambda model: model.to(memory_format=torch.channels_last), ["conv.weight", "not contiguous"]),
 ])
@@ -580,6 +590,18 @@ def test_parameters_changed_after_a_step_are_checked_again_before_the_next(name,
     with raises_naming(ValueError, *fragments):
         opt.step()
     assert_unchanged(before, model, opt)
+
+
+def test_a_parameter_swapped_into_a_group_by_hand_is_refused_even_on_the_same_storage():
+    """model.load_state_dict(..., assign=True) gives a model new Parameters; putting them into the
+    optimizer's groups by hand (sharing the old ones' storage) once stepped them on fresh state."""
+    _, opt = live_optimizer("dion")
+    group = opt.param_groups[1]
+    group["params"] = [nn.Parameter(p.data) for p in group["params"]]
+    for p in group["params"]:
+        p.grad = torch.randn_like(p)
+    with raises_naming(ValueError, "param group 1", "add_param_group"):
+        opt.step()
 
 
 def test_a_parameter_put_into_a_group_by_hand_is_refused_by_the_step():

@@ -141,13 +141,12 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
                     getattr(module, "nf", None) == p.shape[1]:
                 # GPT-2's (Hugging Face) Conv1D is a linear layer that stores its weight [in, out].
                 kinds[id(p)] = ("in_out", "Conv1D weight stored [in, out] (x @ W), read transposed")
-            elif owned is None and pname not in _WEIGHT_NAMES and (_EMBEDDING_LIKE.search(pname) or
-                                                                   (p.ndim == 3 and p.shape[0] == 1)):
+            elif owned is None and pname not in _WEIGHT_NAMES and _EMBEDDING_LIKE.search(pname):
                 # A table a module keeps as a bare nn.Parameter (ViT's pos_embed (1, N, d), register tokens,
-                # Swin's relative_position_bias_table): an embedding, not a linear map.
-                what = ("named like an embedding, a position table or learned tokens" if _EMBEDDING_LIKE.search(pname)
-                        else "shaped (1, …) for broadcasting")
-                kinds[id(p)] = ("scalar", f"a module's own parameter {what}: a table, not a linear map")
+                # Swin's relative_position_bias_table): an embedding, not a linear map. (By name only: a
+                # (1, d, h) stack of one key head or one expert is a linear map.)
+                kinds[id(p)] = ("scalar", "a module's own parameter named like an embedding, a position table or "
+                                          "learned tokens: a table, not a linear map")
             elif p.ndim in (2, 3):
                 kinds[id(p)] = ("matrix", "matrix" if p.ndim == 2 else "batch of matrices")
             else:
@@ -173,9 +172,9 @@ def param_groups(
       to shard them with FSDP2, ``overrides={"*.c_*": {"transpose": False}}``); ``nn.MultiheadAttention``'s
       fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart), and LSTM/GRU (and their
       cells') ``weight_ih``/``weight_hh`` with one block per gate ([h]·4, [h]·3);
-    - embeddings (also tables kept as bare parameters: named like ``pos_embed``, ``*_tokens``, or shaped
-      (1, …) for broadcasting), output heads (tied or not; every Linear scoring an embedding's vocabulary, or else
-      the model's last Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
+    - embeddings (also tables kept as bare parameters named like ``pos_embed`` or ``*_tokens``), output
+      heads (tied or not; every Linear scoring an embedding's vocabulary, or else the model's last
+      Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
       norms and other tensors with at most one dimension above 1 → ``scalar_algorithm`` ("adamw" or
       "lion"), with ``lr=scalar_lr`` and ``weight_decay=scalar_weight_decay`` when given; otherwise
       they take the optimizer's ``lr`` and ``weight_decay`` like every group (pass

@@ -270,7 +270,7 @@ def resolve_config(given: dict[str, Any]) -> TrainConfig:
     lr = given.get("lr")
     if isinstance(lr, float):
         values["lr"] = dict.fromkeys(values["optimizers"], lr)
-        if "scalar_lr" not in given:
+        if "scalar_lr" not in given and any(name != "adamw" for name in values["optimizers"]):
             # One --lr is each optimizer's own lr; the AdamW groups of the orthonormal ones keep AdamW's
             # default, whether or not adamw is in the comparison (it once took --lr only when it was).
             values["scalar_lr"] = DEFAULT_LR["adamw"]

@@ -336,8 +336,9 @@ class StateKeeping:
                 warnings.warn(
                     f"param group {index}: the state dict sets {sets} where this {type(self).__name__}'s group "
                     f"had {had}; as in torch.optim, the saved hyperparameters win, so the group now runs with "
-                    f"them. Build the optimizer the checkpoint was saved from, or set "
-                    f"{', '.join(f'group[{k!r}]' for k in changed)} back after loading", stacklevel=2)
+                    f"them (what you want when a schedule of yours set them). Otherwise build the optimizer the "
+                    f"checkpoint was saved from, or set {', '.join(f'group[{k!r}]' for k in changed)} back after "
+                    "loading", stacklevel=2)
         self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
         for group in self.param_groups:
             for p in group["params"]:
