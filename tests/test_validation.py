@@ -592,6 +592,25 @@ def test_parameters_changed_after_a_step_are_checked_again_before_the_next(name,
     assert_unchanged(before, model, opt)
 
 
+@pytest.mark.parametrize("name", ["dion3", "muon", "dion"])
+def test_a_parameter_reinterpreted_in_another_dtype_on_the_same_storage_is_checked_again(name):
+    """bf16 → fp16 by .view keeps storage, shape and layout: the step once skipped its checks and ran
+    fp16 weights against bf16 state (or failed half-way)."""
+    weight = nn.Parameter(torch.randn(6, 8).to(torch.bfloat16))
+    bias = nn.Parameter(torch.randn(6).to(torch.bfloat16))
+    opt = CLASSES[name]([{"params": [bias], "algorithm": "adamw"}, {"params": [weight]}], lr=0.02)
+    for p in (weight, bias):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    weight.data = weight.data.view(torch.float16)
+    weight.grad = torch.randn_like(weight)
+    bias_before, state_before = bias.detach().clone(), _clone(opt.state_dict())
+    with raises_naming(ValueError, "torch.float16", "its state"):
+        opt.step()
+    assert torch.equal(bias, bias_before)
+    _assert_equal(state_before, opt.state_dict(), "optimizer.state_dict()")
+
+
 def test_a_parameter_swapped_into_a_group_by_hand_is_refused_even_on_the_same_storage():
     """model.load_state_dict(..., assign=True) gives a model new Parameters; putting them into the
     optimizer's groups by hand (sharing the old ones' storage) once stepped them on fresh state."""
