@@ -78,7 +78,9 @@ DEFAULT_ORTHOGONALIZER = {"dion3": "gram", "dion2": "polar_express", "muon": "po
 # Keys that are not hyperparameters but may legitimately sit in a group.
 _BOOKKEEPING_KEYS = {"params", "param_names", "name", "initial_lr"}
 _PLAIN_TENSORS = {Tensor, torch.nn.Parameter}  # not DTensors, whose data_ptr() is 0
-_dtype_and_device = operator.attrgetter("dtype", "device")  # p.data = p.data.view(torch.float16) keeps the rest
+# p.data = p.data.view(torch.float16) keeps the rest. (Not the device: with CUDA's unified addressing no
+# two devices' memory shares an address, so a move always changes the storage address.)
+_dtype_of = operator.attrgetter("dtype")
 # Single process, a megabatch is orthogonalized in up to this many parts of at least this many
 # elements (see OrthonormalOptimizer._memory_chunks): transient memory vs the size of batched calls.
 MEMORY_CHUNKS = 4
@@ -271,7 +273,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         may have changed them), and what they mean for each parameter: its matrix view (num_heads,
         split_sizes, flatten, a matrix rule on a vector) and the shapes of the state it already has.
         The per-parameter part is redone only when the options, the group's tensors, or a parameter's
-        storage, shape, contiguity, dtype or device differ from the group's last check: ``p.data = ...`` and
+        storage, shape, contiguity or dtype differ from the group's last check: ``p.data = ...`` and
         ``model.to(...)`` (dtype, device, memory format) after the optimizer was built give a parameter
         new storage or another shape; a parameter put into the group by hand changes the list. This
         runs every step, so it compares what Python reads cheaply."""
@@ -284,12 +286,12 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         key = (group["algorithm"], group["flatten"], group["transpose"], group["num_heads"],
                tuple(splits) if splits is not None else None, group["rank_fraction"])
         params = group["params"]
-        # Which tensors, their storage, shapes, layout, dtype and device, as cheaply as Python reads them
+        # Which tensors, their storage, shapes, layout and dtype, as cheaply as Python reads them
         # (~0.3 µs a parameter): a view (p.data = p.data.t()) keeps the storage but not the shape or strides.
         plain = set(map(type, params)) <= _PLAIN_TENSORS
         addresses = list(map(Tensor.data_ptr if plain else storage_address, params))
         signature = (key, list(map(id, params)), addresses, list(map(Tensor.size, params)),
-                     list(map(Tensor.is_contiguous, params)), list(map(_dtype_and_device, params)))
+                     list(map(Tensor.is_contiguous, params)), list(map(_dtype_of, params)))
         if self._checked_groups.get(index) == signature:
             return
         for p in group["params"]:
