@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             if "device" in changed and values.get("autocast") == "auto":
                 # "auto" means bf16 autocast on CUDA only: moving the run to another kind of device keeps
                 # the precision it trained in.
-                values = {**values, "autocast": effective_autocast(values)}
+                values = {**values, "autocast": effective_autocast(values["autocast"], values["device"])}
             cfg = TrainConfig.from_dict({**values, **changed, **_absolute_paths(changed)})
         except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
             raise CommandError(f"--resume {out_dir}: {config_file} cannot be read as this command's configuration "

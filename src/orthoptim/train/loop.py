@@ -276,15 +276,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def effective_autocast(config: dict[str, Any]) -> str:
-    """"bf16" or "off": what a configuration's ``autocast`` means on its ``device`` ("auto": bf16 on CUDA)."""
-    if config["autocast"] == "auto":
-        return "bf16" if torch.device(config["device"]).type == "cuda" else "off"
-    return config["autocast"]
+def effective_autocast(autocast: str, device: str | torch.device) -> str:
+    """"bf16" or "off": what ``--autocast`` means on ``device`` ("auto": bf16 on CUDA only)."""
+    if autocast == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "off"
+    return autocast
 
 
 def _autocast(cfg: TrainConfig, device: torch.device):
-    use = cfg.autocast == "bf16" or (cfg.autocast == "auto" and device.type == "cuda")
+    use = effective_autocast(cfg.autocast, device) == "bf16"
     return torch.autocast(device.type, dtype=torch.bfloat16) if use else nullcontext()
 
 
@@ -542,7 +542,8 @@ def check_same_config(ckpt_file: Path, saved: dict | None, cfg: TrainConfig) -> 
         return  # written by an older version, which saved no configuration
     now = asdict(cfg)
     if "autocast" in saved and "device" in saved:  # "auto" is bf16 on CUDA only: compare what each one ran
-        saved, now = {**saved, "autocast": effective_autocast(saved)}, {**now, "autocast": effective_autocast(now)}
+        saved = {**saved, "autocast": effective_autocast(saved["autocast"], saved["device"])}
+        now = {**now, "autocast": effective_autocast(now["autocast"], now["device"])}
     # Keys only one side has: options of another version of this command, not an edit.
     changed = sorted(k for k in set(saved) & set(now)
                      if k not in _RESUME_MAY_CHANGE and _as_json(saved[k]) != _as_json(now[k]))
