@@ -481,9 +481,10 @@ def test_a_saved_callable_loaded_where_the_group_has_another_orthogonalizer_warn
     opt = orthoptim.Muon(orthoptim.param_groups(model), lr=0.02, orthogonalizer=_user_polar)
     run(model, opt, range(1))
     opt2 = orthoptim.Muon(orthoptim.param_groups(fresh_copy(model)), lr=0.02, orthogonalizer="newton_schulz")
-    with pytest.warns(UserWarning, match=r"param group 0 .*_user_polar .*orthogonalizer='newton_schulz'"):
+    with pytest.warns(UserWarning, match=r"param group 0 .*_user_polar .*orthogonalizer='newton_schulz'") as caught:
         opt2.load_state_dict(roundtrip(opt.state_dict()))
     assert opt2.param_groups[0]["orthogonalizer"] == "newton_schulz"
+    assert {w.filename for w in caught} == {__file__}  # the warning points at the caller's line
 
 
 def test_loading_another_algorithms_state_dict_warns_that_it_now_runs():
@@ -492,9 +493,11 @@ def test_loading_another_algorithms_state_dict_warns_that_it_now_runs():
     saved = orthoptim.Dion3(model.parameters(), lr=0.02)
     saved.step()
     target = orthoptim.Muon(model.parameters(), lr=0.02)
-    with pytest.warns(UserWarning, match=r"group 0: the state dict sets algorithm='dion3'.* had algorithm='muon'"):
+    changed = r"group 0: the state dict sets algorithm='dion3'.* had algorithm='muon'"
+    with pytest.warns(UserWarning, match=changed) as caught:
         target.load_state_dict(saved.state_dict())
     assert target.param_groups[0]["algorithm"] == "dion3"
+    assert {w.filename for w in caught} == {__file__}  # the warning points at the caller's line
     same = orthoptim.Dion3(model.parameters(), lr=0.01)  # another lr: schedules own it, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")

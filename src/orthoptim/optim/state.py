@@ -273,7 +273,7 @@ class StateKeeping:
             warnings.warn(
                 f"param group {index} of the loaded state dict was saved with the orthogonalizer "
                 f"{name[len(CALLABLE_MARK):]} (a callable, which a state dict cannot hold); the group "
-                f"keeps this optimizer's orthogonalizer={own!r}", stacklevel=4)
+                f"keeps this optimizer's orthogonalizer={own!r}", stacklevel=5)
         return {**saved, "orthogonalizer": own}
 
     @staticmethod
@@ -286,7 +286,7 @@ class StateKeeping:
                 warnings.warn(
                     f"param group {index} of the loaded state dict was saved before the {key!r} option "
                     f"existed, so with {key}={value!r}, under which its state was made; the group takes "
-                    f"{key}={value!r} (this optimizer's group had {mine[key]!r})", stacklevel=4)
+                    f"{key}={value!r} (this optimizer's group had {mine[key]!r})", stacklevel=5)
         return {**saved, **missing} if missing else saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -309,6 +309,7 @@ class StateKeeping:
             hook(self)
 
     def _load_checked(self, state_dict: dict[str, Any]) -> None:
+        # Called by load_state_dict only: its warnings' stack levels count that frame.
         state_dict = self._as_loaded_here(state_dict)
         self._check_loadable(state_dict)
         self._checked_groups.clear()  # the next step checks the loaded options and state afresh
@@ -338,7 +339,7 @@ class StateKeeping:
                     f"had {had}; as in torch.optim, the saved hyperparameters win, so the group now runs with "
                     f"them (what you want when a schedule of yours set them). Otherwise build the optimizer the "
                     f"checkpoint was saved from, or set {', '.join(f'group[{k!r}]' for k in changed)} back after "
-                    "loading", stacklevel=2)
+                    "loading", stacklevel=3)
         self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
         for group in self.param_groups:
             for p in group["params"]:
