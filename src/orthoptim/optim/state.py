@@ -49,6 +49,8 @@ def row_state_dtype(p: Tensor) -> torch.dtype:
     return torch.promote_types(p.dtype, torch.float32)
 
 
+# The state of each rule that holds one entry per row of the matrix as read (so depends on ``transpose``).
+_PER_ROW_STATE = {"normuon": "variance", "dion3": "variance", "dion": "Q"}
 # Group options that change what a rule computes (a state dict that changes one gets a warning).
 _RULE_OPTIONS = ("algorithm", "fraction", "rank_fraction", "selection_scope", "nesterov", "orthogonalizer")
 
@@ -200,7 +202,7 @@ class StateKeeping:
                     "after the optimizer was built. Build the optimizer after converting the model, or bring "
                     "the state along with opt.load_state_dict(opt.state_dict()), which casts and moves it to "
                     "the parameters")
-        key = {"normuon": "variance", "dion3": "variance", "dion": "Q"}.get(group["algorithm"])
+        key = _PER_ROW_STATE.get(group["algorithm"])
         made = self._state_transposed.get(p)
         if state and key in state and made is not None and made != group["transpose"]:
             raise ValueError(
@@ -343,7 +345,7 @@ class StateKeeping:
         self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
         for group in self.param_groups:
             for p in group["params"]:
-                if "variance" in self.state.get(p, {}) or "Q" in self.state.get(p, {}):
+                if _PER_ROW_STATE.get(group["algorithm"]) in self.state.get(p, {}):
                     self._state_transposed[p] = group["transpose"]
         for i, p in zip(ids, params):
             variance = saved.get(i, {}).get("variance")
