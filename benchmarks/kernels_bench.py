@@ -159,7 +159,7 @@ def bench_orthogonalize(budget: Budget, warmup: int, reps: int, rows: Recorder) 
             rows.add({"op": "orthogonalize", "shape": [b, k, n], "skipped": "budget"})
             continue
         rows.add(_orthogonalize_case(torch.randn(b, k, n, device=DEVICE, generator=gen).to(torch.bfloat16),
-                                        warmup, reps))  # fmt: skip
+                                     warmup, reps))  # fmt: skip
 
 
 def _orthogonalize_case(x: torch.Tensor, warmup: int, reps: int) -> dict:

@@ -294,7 +294,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                      list(map(Tensor.is_contiguous, params)), list(map(_dtype_of, params)))
         if self._checked_groups.get(index) == signature:
             return
-        for p in group["params"]:
+        for p in params:
             if isinstance(p, Tensor) and p not in self._positions:
                 raise ValueError(
                     f"param group {index} holds a parameter of shape {tuple(p.shape)} that was put into "
