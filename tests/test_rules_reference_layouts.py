@@ -26,7 +26,7 @@ def run(algorithm, shapes, seed, steps=4, orthogonalizer=None, **group_opts):
     params = ref.make_params(shapes, seed=seed)
     opt, reference = ref.build(CLASSES[algorithm], algorithm, params, HP, orthogonalizer=orthogonalizer,
                                **group_opts)
-    ref.drive(opt, reference, seed=seed, steps=steps, **ref.tolerances(algorithm))
+    ref.drive(opt, reference, seed=seed, steps=steps)
     return opt, reference
 
 

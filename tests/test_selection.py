@@ -105,3 +105,31 @@ def test_decay_slices_with_a_ragged_index():
     torch.testing.assert_close(ms[0][[1, 4]], 0.5 * before[0][[1, 4]], rtol=2e-7, atol=0)
     assert torch.equal(ms[0][[0, 2, 3, 5]], before[0][[0, 2, 3, 5]])
     assert torch.equal(ms[1], before[1])
+
+
+@pytest.mark.parametrize(("fraction", "size", "k"), [
+    (0.3, 20, 6),             # 0.3 · 20 = 6.000000000000001 in floats: 7 without the exact product
+    (0.1, 10, 1),             # the float 0.1 is a hair above 1/10
+    (0.1250000001, 8, 2),     # a hair above an integer is the next one (a tolerance made it 1)
+    (1 / 3, 3, 1), (0.25, 768, 192), (1, 5, 5), (1e-6, 4096, 1), (0.7, 10, 7),
+])
+def test_the_selected_count_is_the_exact_ceiling_of_the_decimal_fraction(fraction, size, k):
+    assert selection.ceil_fraction(fraction, size) == k
+    assert selection.num_selected(size, fraction) == k
+
+
+def test_a_fraction_a_hair_above_a_slice_count_selects_one_more_row_and_rank():
+    import orthoptim
+
+    p = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(0)))
+    before = p.detach().clone()
+    opt = orthoptim.Dion3([p], lr=0.1, fraction=0.1250000001, weight_decay=0.0)
+    p.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+    opt.step()
+    assert int((p.detach() != before).any(dim=1).sum()) == 2  # ceil(1.0000000008) rows updated
+
+    q = torch.nn.Parameter(torch.randn(8, 8))
+    dion = orthoptim.Dion([q], lr=0.1, rank_fraction=0.1250000001)
+    q.grad = torch.randn(8, 8)
+    dion.step()
+    assert dion.state[q]["Q"].shape[-1] == 2

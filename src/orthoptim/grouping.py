@@ -9,7 +9,6 @@ layer of a model without a vocabulary (a classifier).
 from __future__ import annotations
 
 import fnmatch
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from torch import Tensor, nn
 from orthoptim.optim.base import OrthonormalOptimizer
 from orthoptim.optim.validation import MATRIX_ALGORITHMS
 from orthoptim.rules.lr_scale import lr_scale
+from orthoptim.rules.selection import ceil_fraction
 
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 _CONV_TRANSPOSE_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -283,7 +283,7 @@ def explain(optimizer: torch.optim.Optimizer) -> str:
                 if algorithm in ("dion3", "dion2"):
                     rule += f" f={group['fraction']:g}"
                 elif algorithm == "dion":
-                    ranks = sorted({max(1, math.ceil(group["rank_fraction"] * min(shape) - 1e-9))
+                    ranks = sorted({max(1, ceil_fraction(group["rank_fraction"], min(shape)))
                                     for shape in view.block_shapes()})
                     rule += f" r={','.join(map(str, ranks))}"
             else:

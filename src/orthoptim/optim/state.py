@@ -10,7 +10,6 @@ momenta over ``replicate_mesh`` when one is taken (``ShardedParameters.synchroni
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tenso
 from orthoptim.optim.matrix_view import MatrixView
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by, validate_group
 from orthoptim.orthogonalize import normalize_columns
+from orthoptim.rules.selection import ceil_fraction
 
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
 DION_Q_SEED = 20250405
@@ -85,7 +85,7 @@ class StateKeeping:
 
     @staticmethod
     def _dion_ranks(view: MatrixView, rank_fraction: float) -> list[int]:
-        return [max(1, math.ceil(rank_fraction * min(r, c) - 1e-9)) for r, c in view.block_shapes()]
+        return [max(1, ceil_fraction(rank_fraction, min(r, c))) for r, c in view.block_shapes()]
 
     @classmethod
     def _dion_q_shape(cls, view: MatrixView, rank_fraction: float) -> tuple[int, int, int]:

@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from fractions import Fraction
 from itertools import repeat
 
 import torch
 from torch import Tensor
 
 
+def ceil_fraction(fraction: float, size: int) -> int:
+    """ceil(fraction · size), exactly, for the decimal ``fraction`` is written as (its repr).
+
+    Float products round: 0.3 · 20 is 6.000000000000001, whose ceiling 7 is one slice too many;
+    subtracting a tolerance instead would make 0.1250000001 · 8 one slice too few.
+    """
+    return _ceil_fraction(float(fraction), int(size))
+
+
+@functools.lru_cache(maxsize=4096)
+def _ceil_fraction(fraction: float, size: int) -> int:
+    return math.ceil(Fraction(repr(fraction)) * size)
+
+
 def num_selected(size: int, fraction: float) -> int:
     """k = ceil(fraction · size): at least 1, except 0 for an empty (shard of a) matrix."""
-    return max(1, math.ceil(fraction * size - 1e-9)) if size > 0 else 0
+    return max(1, ceil_fraction(fraction, size)) if size > 0 else 0
 
 
 # On CPUs |M| is formed this many elements at a time (256 KiB of fp32), in one scratch that stays in
