@@ -38,7 +38,11 @@ def _described(value: Any) -> str:
 
 
 class NonFiniteGradientError(FloatingPointError):
-    """A gradient holds NaN or Inf; raised before any parameter or state is changed."""
+    """A gradient holds NaN or Inf, or a finite one would overflow a float16 momentum this step.
+
+    Raised before any parameter or state is changed; with ``capturable=True`` the step cannot read
+    the verdict, and ``check_nonfinite()`` raises it afterwards (the step has then been applied).
+    """
 
 
 class GradientChecks:

@@ -23,7 +23,8 @@ OrthogonalizerSpec = str | Callable[[Tensor], Tensor] | None
 
 class Dion3(OrthonormalOptimizer):
     """Dion3: each step orthogonalizes only the ``fraction`` of momentum rows with the largest L1
-    norm (Gram Newton-Schulz), normalizes them per neuron, and keeps the rest in momentum
+    norm (Gram Newton-Schulz; standard Newton-Schulz when it iterates in bf16, where Gram NS is
+    unstable), normalizes them per neuron, and keeps the rest in momentum
     (error feedback). See ``orthoptim.rules.dion3``."""
 
     def __init__(
