@@ -301,3 +301,39 @@ def test_dion_with_fp16_parameters_survives_a_zero_gradient():
     p.grad = torch.randn_like(p)
     opt.step()
     assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("shape", [(16, 8), (3, 12, 20)], ids=["matrix", "experts"])
+def test_dion_after_a_zero_gradient_step_is_dion_without_it(shape, capturable):
+    """A zero B gives R = 0: Q's columns must survive it (a zero Q made the next P QR's e_1..e_r, and
+    the update hit only the first r rows). After the zero step M is still 0 and Q is the initial Q, so
+    the next step is exactly a fresh optimizer's first step."""
+    gen = torch.Generator().manual_seed(5)
+    x0, grad = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    results = []
+    for zero_first in (False, True):
+        p = torch.nn.Parameter(x0.clone())
+        opt = orthoptim.Dion([p], lr=0.1, rank_fraction=0.5, weight_decay=0.0, capturable=capturable)
+        if zero_first:
+            p.grad = torch.zeros_like(p)
+            opt.step()
+            assert torch.equal(p.detach(), x0)
+        p.grad = grad.clone()
+        opt.step()
+        results.append((p.detach().clone(), opt.state[p]["Q"].clone()))
+    (x_plain, q_plain), (x_after_zero, q_after_zero) = results
+    assert torch.equal(x_after_zero, x_plain) and torch.equal(q_after_zero, q_plain)
+
+
+def test_dion_keeps_the_columns_of_q_of_an_expert_without_gradient():
+    """One 3-D parameter, one expert with a zero gradient: only that expert's Q is kept as it was."""
+    p = torch.nn.Parameter(torch.randn(3, 12, 20, generator=torch.Generator().manual_seed(6)))
+    opt = orthoptim.Dion([p], lr=0.1, rank_fraction=0.5)
+    q0 = opt.state[p]["Q"].clone()
+    grad = torch.randn(3, 12, 20, generator=torch.Generator().manual_seed(7))
+    grad[1] = 0
+    p.grad = grad
+    opt.step()
+    q = opt.state[p]["Q"]
+    assert torch.equal(q[1], q0[1]) and not torch.equal(q[0], q0[0]) and not torch.equal(q[2], q0[2])

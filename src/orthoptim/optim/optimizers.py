@@ -137,6 +137,12 @@ class Dion(OrthonormalOptimizer):
     """Dion: rank-r orthonormal updates (r = ceil(rank_fraction·min(m, n))) by one step of power
     iteration per optimizer step, with error feedback of what the low-rank update leaves out.
 
+    A column of ``R = BᵀP`` that is zero (all of B zero: a zero gradient on the first step, an expert
+    without tokens) keeps its column of Q. The rule assumes B has rank ≥ r: beyond B's rank, P's
+    columns are rounding noise and column normalization makes their R columns unit-norm, as in the
+    published rule, so for a momentum of rank below r (a batch of a few samples) the update can have
+    singular values above 1 in directions set by rounding; a smaller ``rank_fraction`` avoids it.
+
     ``outer_shard_mesh`` (FSDP2) and ``inner_shard_mesh`` (tensor parallelism): the 1-D meshes that
     shard parameters, along rows (``Shard(0)``) or columns (``Shard(1)``), one dim each; both at once
     is 2-D sharding. Matrices are never assembled: only m×r, n×r and r×r factors are all-reduced.

@@ -1,6 +1,6 @@
 """Dion: low-rank orthonormal updates by amortized power iteration with error feedback.
 
-B = M + G;  P = orth_cols(B Q);  R = Bᵀ P;  M ← B − (1−μ)·P Rᵀ;  Q ← R / ‖R‖_col;
+B = M + G;  P = orth_cols(B Q);  R = Bᵀ P;  M ← B − (1−μ)·P Rᵀ;  Q ← R / ‖R‖_col (a zero column keeps Q's);
 X ← X(1 − lr·wd);  X ← X − lr·s(m,n)·P Qᵀ.   Q (n×r) carries over between steps, so one power
 iteration per step tracks the top-r singular subspace of the slowly changing momentum.
 """
@@ -60,7 +60,12 @@ def dion_update(
     for b, pi, ri in zip(momenta, p, r):
         b.addmm_(pi, ri[columns].mT, alpha=-(1.0 - mu))  # error feedback: keep what P Rᵀ did not take
     q_new = normalize_columns(r, eps)
-    torch._foreach_copy_(right_factors, list(q_new.unbind(0)))
+    # A zero column of R (all of B zero: a first gradient of zeros, an expert that got no tokens) would
+    # become a zero column of Q, and every later B Q would lack that direction: P's column would then be
+    # QR's arbitrary completion (e_j), and the next update would hit only the first r rows. Such a
+    # column keeps its old Q instead; the update below still uses the zero column (no update there).
+    zero = (r == 0).all(dim=-2, keepdim=True)
+    torch._foreach_copy_(right_factors, list(torch.where(zero, torch.stack(right_factors), q_new).unbind(0)))
     if isinstance(lr, Tensor) and params[0].dtype in weight_decay.ROUNDED_ONCE:
         # capturable, fp16/bf16: decay and update in fp32 from the old X, rounded once (as addmm_'s beta
         # does below; a separate decay would round X·(1 − lr·wd) back to X for small lr·wd)
