@@ -141,8 +141,11 @@ def test_symmetric_product_is_the_same_for_every_tile_size(tk):
     exact = torch.tril(p.cpu().to(F64) @ q.cpu().to(F64))
     exact = exact + torch.tril(exact, -1).mT
     torch.testing.assert_close(small.cpu().to(F64), exact, rtol=0, atol=1e-4)
-    # The depth of a K step orders the fp32 sums, so it does change bits: every autotuned config has one.
-    assert not torch.equal(small, tk.sym.symmetric_product(p, q, block=16, block_k=32))
+    # In the interpreter the depth of a K step orders the fp32 sums, so it changes bits: every autotuned
+    # config has one. (Compiled, an fp32 tl.dot is one FMA chain per element across K steps, the same
+    # bits at any depth, so there is nothing to assert on a GPU.)
+    if INTERPRET:
+        assert not torch.equal(small, tk.sym.symmetric_product(p, q, block=16, block_k=32))
     assert {c.kwargs["BLOCK_K"] for c in tk.sym._autotune_configs()} == {tk.sym.AUTOTUNE_BLOCK_K}
 
 

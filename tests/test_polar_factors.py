@@ -106,7 +106,7 @@ def _run(fused_params, plain_params, name, *, steps=3, seed=0, **kwargs):
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for a, b in zip(fused_params, plain_params):
-            g = torch.randn(a.shape, generator=gen).to(a.dtype)
+            g = torch.randn(a.shape, generator=gen).to(device=a.device, dtype=a.dtype)
             a.grad, b.grad = g.clone(), g.clone()
         fused.step()
         plain.step()

@@ -36,9 +36,10 @@ SHARED_MEMORY_BYTES = 227 * 1024
 MAX_GRID_BATCH = 65535
 
 
-# Every autotuned config reads K in steps of this depth. The fp32 sums over K are taken in that order,
-# so with one depth an entry's bits do not depend on which config autotuning (a timing race in each
-# process) picks; depths of 32 and 128 next to 64 gave other bits in 2/3 of an fp32 product's entries.
+# Every autotuned config reads K in steps of this depth, so an entry's bits cannot depend on which config
+# autotuning (a timing race in each process) picks. Where the depth orders the fp32 sums (the
+# interpreter: depths of 32 and 128 next to 64 gave other bits in 2/3 of an fp32 product's entries;
+# compiled code may chain them across K steps instead) that matters; elsewhere it costs nothing.
 AUTOTUNE_BLOCK_K = 64
 
 
@@ -148,7 +149,9 @@ def _syrk_kernel(
              tl.trans(out), mask=tl.trans(mirror))
 
 
-_syrk_tuned = triton.autotune(configs=_autotune_configs(), key=["M", "K"],
+# Tuned per size, dtype, C or not (symmetric_polynomial reads C, the other products do not) and layout
+# (stride_ak is 1 for rows read along K, else the transposed read of a tall matrix's Xᵀ X).
+_syrk_tuned = triton.autotune(configs=_autotune_configs(), key=["M", "K", "HAS_C", "stride_ak"],
                               prune_configs_by={"early_config_prune": _fits_in_shared_memory})(_syrk_kernel)
 
 
@@ -201,7 +204,7 @@ def syrk(
 
     The caller guarantees that the result is symmetric (otherwise the upper triangle is simply the
     mirror of the lower one). ``block``/``block_k`` pick one tile shape (the interpreter and tests);
-    by default on GPU the tile shape is autotuned per (M, K, dtype).
+    by default on GPU the tile shape is autotuned per (M, K, dtype, C or not, layout).
     """
     if a.ndim != 3 or b.shape != a.shape:
         raise ValueError(f"syrk needs two batches of the same shape [B, M, K], got {tuple(a.shape)}, {tuple(b.shape)}")
