@@ -348,7 +348,7 @@ def _fake_triton(monkeypatch, failing: set[str]):
 
 def test_triton_kernel_that_fails_hands_over_to_torch_with_one_warning(monkeypatch):
     calls = _fake_triton(monkeypatch, failing={"gram"})
-    x = torch.randn(2, select.MIN_TRITON_SIZE, 8, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, select.MIN_TRITON_SIZE, 8, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert kernels.backend(x, x.shape[-2]) == "triton"
     with pytest.warns(RuntimeWarning, match="C compiler.*torch backend"):
         got = kernels.gram(x)
@@ -361,6 +361,32 @@ def test_triton_kernel_that_fails_hands_over_to_torch_with_one_warning(monkeypat
     monkeypatch.setenv(select.ENV_VAR, "triton")  # forced: the error is the caller's to see
     with pytest.raises(RuntimeError, match="C compiler"):
         kernels.gram(x)
+
+
+def test_auto_keeps_fp32_symmetric_products_on_torch_and_16_bit_ones_on_triton(monkeypatch):
+    """fp32 tl.dot has no tensor cores without TF32: ``auto`` leaves fp32 to cuBLAS."""
+    _fake_triton(monkeypatch, failing=set())
+    x = torch.randn(1, select.MIN_TRITON_SIZE, 8)
+    assert kernels.backend(x, x.shape[-2]) == "torch"
+    for dtype in (torch.float16, torch.bfloat16):
+        assert kernels.backend(x.to(dtype), x.shape[-2]) == "triton"
+    monkeypatch.setenv(select.ENV_VAR, "triton")  # forced: fp32 too
+    assert kernels.backend(x, x.shape[-2]) == "triton"
+
+
+def test_a_triton_kernel_out_of_memory_is_raised_and_keeps_triton_on(monkeypatch):
+    calls = _fake_triton(monkeypatch, failing=set())
+    module = select.triton_module("triton_symmetric")
+
+    def out_of_memory(*args, **kwargs):
+        calls.append("gram")
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(module, "gram", out_of_memory)
+    x = torch.randn(2, select.MIN_TRITON_SIZE, 8).bfloat16()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        kernels.gram(x)
+    assert select._triton_off == {} and kernels.backend(x, x.shape[-2]) == "triton"
 
 
 @pytest.mark.parametrize("normalize", [True, False])

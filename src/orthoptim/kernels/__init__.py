@@ -29,9 +29,11 @@ def _run_triton(module: str, function: str, *args: object, **kwargs: object) -> 
     """``module.function(*args, **kwargs)``, or ``_FAILED`` when it raised under ``auto`` (the module is
     then turned off; see ``select.turn_off_triton``). Every Triton function here writes only fresh
     tensors until its last launch, so the torch backend can redo the call from the same inputs.
-    ``ORTHOPTIM_KERNELS=triton`` raises the error instead."""
+    ``ORTHOPTIM_KERNELS=triton`` raises the error instead, and out-of-memory errors are always raised."""
     try:
         return getattr(select.triton_module(module), function)(*args, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        raise  # torch would run out as well; not a reason to give up on Triton for the whole process
     except Exception as error:
         if select.requested() == "triton":
             raise

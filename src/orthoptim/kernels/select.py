@@ -45,6 +45,9 @@ CHOICES = ("auto", "torch", "triton", "quack", "blocked")
 MIN_TRITON_SIZE = 512
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# What ``auto`` gives the symmetric kernels: fp32 tl.dot runs without tensor cores unless TF32 is on,
+# where cuBLAS's fp32 GEMM is the one to beat; fp32 goes there until a GPU run measures otherwise.
+AUTO_TRITON_SYMMETRIC_DTYPES = (torch.float16, torch.bfloat16)
 
 # Output side from which ``auto`` computes a CPU tensor's symmetric products block by block
 # (``cpu_symmetric``). Measured with benchmarks/cpu_symmetric_bench.py on AMD Zen 4 (bf16 and
@@ -181,5 +184,7 @@ def use_triton(*tensors: Tensor, size: int | None = None, module: str) -> bool:
     if module in _triton_off or not triton_installed() or not _on_cuda(tensors):
         return False
     if size is not None and size < MIN_TRITON_SIZE:
+        return False
+    if module == "triton_symmetric" and any(t.dtype not in AUTO_TRITON_SYMMETRIC_DTYPES for t in tensors):
         return False
     return _triton_can_run(tensors, module)
