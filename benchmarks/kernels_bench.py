@@ -4,12 +4,12 @@
 
 Sections, in order (later ones are skipped, and marked so, once the time budget is spent):
 
-1. ``gram``: X Xᵀ on [B, k, n] — torch.bmm vs the lower-triangle Triton kernel.
-2. ``symmetric_polynomial`` / ``symmetric_product``: the k×k products of Gram NS, k = 128 … 4096.
+1. ``dion3_update``: the fused post-orthogonalization update vs the torch reference vs the unfused
+   path the rule used before (normalize → decay → index_add).
+2. ``gram``: X Xᵀ on [B, k, n] — torch.bmm vs the lower-triangle Triton kernel; then
+   ``symmetric_polynomial`` / ``symmetric_product``: the k×k products of Gram NS, k = 128 … 4096.
 3. ``orthogonalize``: standard NS (bf16) vs Gram NS with the torch backend vs Gram NS with the
    Triton kernels (fp16), Polar Express coefficients, and each one's distance to standard NS.
-4. ``dion3_update``: the fused post-orthogonalization update vs the torch reference vs the unfused
-   path the rule used before (normalize → decay → index_add).
 
 Every time is the median of CUDA-event timings after warm-up (the first call of each shape also
 autotunes the Triton kernel, outside the timing). Without CUDA or triton it writes a JSON that says

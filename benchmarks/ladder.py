@@ -471,7 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="start no new rung after this many seconds (the rest are listed as skipped)")
+                        help="start no new rung after this many seconds (the rest are listed as skipped); "
+                             "the i-th of N sets starts none after i/N of it, so the last set keeps its share "
+                             "(what a set leaves unspent passes to the next)")
     parser.add_argument("--top-ops", type=int, default=4, help="ops listed per rung in the bytes breakdown")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--png", default=None, help="bar chart of median ms here (needs matplotlib)")
@@ -533,12 +535,17 @@ def main(argv: list[str] | None = None) -> int:
         results["rows"] = [r for r in results["rows"] if r["set"] != label] + ordered
         save()
 
-    for label, d_model, layers, full in sets:
+    def deadline(set_index: int) -> float:
+        return math.inf if args.budget_s is None else started + args.budget_s * (set_index + 1) / len(sets)
+
+    def run_set(set_index: int, label: str, d_model: int, layers: int, full: int) -> int:
+        """Every rung of one set, timed, published into ``results`` as it goes; returns the failures."""
+        failures = 0
         shapes = gpt_matrix_shapes(d_model, layers)
         if label.partition(":")[0] in GPU_ONLY_SETS and not cuda:
             say(f"ladder: skipping {label}: the 7B-like set is GPU-only ({sum(m * n for m, n in shapes) / 1e9:.1f} B "
                 "parameters; one Muon step would take hours on a CPU)")
-            continue
+            return 0
         all_rungs = rungs(device, shapes)
         param_bytes = sum(m * n for m, n in shapes) * dtype.itemsize
         info = {"d_model": d_model, "layers": layers, "preset_layers": full,
@@ -559,14 +566,15 @@ def main(argv: list[str] | None = None) -> int:
             elif rung.name == "torch_muon" and bf16_slowdown and bf16_slowdown > 5 and not args.optimizers:
                 why = (f"bf16 matmul is {bf16_slowdown:.0f}x slower than fp32 on this CPU "
                        f"({env['cpu_capability']}); list it in --optimizers to run it anyway")
-            elif args.budget_s is not None and time.time() - started > args.budget_s:
-                why = f"time budget of {args.budget_s:g} s spent"
+            elif args.budget_s is not None and time.time() > deadline(set_index):
+                why = (f"time budget spent ({deadline(set_index) - started:.0f} s of --budget-s {args.budget_s:g} "
+                       f"by the end of set {set_index + 1} of {len(sets)})")
             if why:
                 row = skipped(label, rung, why)
                 say(f"  {label:>8} {rung.name:<12} {row['note']}")
             else:
                 row = {"set": label, "optimizer": rung.name, "note": rung.note}
-                t0 = time.time()
+                t0, triton_off_before = time.time(), set(select._triton_off)
                 try:
                     row.update(run_rung(rung, shapes, device, dtype, args))
                 except torch.cuda.OutOfMemoryError:
@@ -577,6 +585,10 @@ def main(argv: list[str] | None = None) -> int:
                     failures += 1
                 if cuda:
                     torch.cuda.empty_cache()
+                if set(select._triton_off) - triton_off_before:  # the note said Triton; this rung fell back
+                    off = {m: select._triton_off[m] for m in set(select._triton_off) - triton_off_before}
+                    row["note"] += "; Triton turned off during this rung (torch from then on): " + "; ".join(
+                        f"{m}: {why[:160]}" for m, why in off.items())
                 if row["median_ms"] is not None:
                     say(f"  {label:>8} {rung.name:<12} {row['median_ms']:10.1f} ms  {row['gflop']:8.1f} GFLOP  "
                         f"{row['passes']:5.1f} passes  ({time.time() - t0:.0f} s)")
@@ -586,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             publish(label, rows)
         for round_index in range(1, args.rounds):  # the same rungs again: load drifts hit every rung alike
             for name in [n for n in wanted if rows.get(n, {}).get("median_ms") is not None]:
-                if args.budget_s is not None and time.time() - started > args.budget_s:
+                if args.budget_s is not None and time.time() > deadline(set_index):
                     break
                 try:
                     pool_times(rows[name], more_times(all_rungs[name], shapes, device, dtype, args))
@@ -595,13 +607,25 @@ def main(argv: list[str] | None = None) -> int:
                     failures += 1
                 say(f"  {label:>8} {name:<12} {rows[name]['median_ms']:10.1f} ms  (round {round_index + 1})")
             publish(label, rows)
+        return failures
+
+    try:
+        for set_index, (label, d_model, layers, full) in enumerate(sets):
+            failures += run_set(set_index, label, d_model, layers, full)
+    except KeyboardInterrupt:  # a stop (gpu_check's time cap sends SIGINT): report what was measured
+        results["stopped"] = "interrupted (SIGINT) while a rung ran; the rows measured before are kept"
+        say(f"ladder: {results['stopped']}")
+        failures += 1
+    if select._triton_off:
+        results["triton_turned_off"] = dict(select._triton_off)
 
     report(results, args.png, args.top_ops)
     save()
     if args.json:
         print(f"wrote {args.json}")
     if failures:
-        print(f"ladder: {failures} rung(s) failed (tracebacks above; their rows say why)", file=sys.stderr)
+        print(f"ladder: {failures} rung(s) failed or were stopped (tracebacks above; their rows say why)",
+              file=sys.stderr)
     return 1 if failures else 0
 
 
