@@ -288,6 +288,41 @@ def test_nonfinite_gradient_raises_and_changes_nothing(name, bad_param):
     assert_unchanged(before, model, opt)
 
 
+@pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="Tensor.grad_dtype is new in torch 2.13")
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_a_gradient_of_another_dtype_is_refused_before_any_group_steps(name):
+    """The fused AdamW kernel refused a bf16 parameter's fp32 gradient only after the matrix groups had
+    stepped; retried after the fix, those took their update twice."""
+    model, opt = live_optimizer(name)
+    model_ref, opt_ref = live_optimizer(name)
+    set_grads(model, 2)
+    bias_grad, model.norm.bias.grad = model.norm.bias.grad, None
+    model.norm.bias.grad_dtype = torch.float64  # the last group (AdamW) steps last
+    model.norm.bias.grad = bias_grad.double()
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, "norm.bias", "torch.float64", "grad_dtype = None"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+    model.norm.bias.grad = None
+    model.norm.bias.grad_dtype = None
+    set_grads(model, 2)
+    set_grads(model_ref, 2)
+    opt.step()
+    opt_ref.step()
+    _assert_equal({n: p.detach() for n, p in model_ref.named_parameters()},
+                  {n: p.detach() for n, p in model.named_parameters()}, "parameters")
+
+
+def test_a_sparse_gradient_is_refused_naming_the_fix():
+    model, opt = live_optimizer("dion3")
+    set_grads(model, 2)
+    model.emb.weight.grad = model.emb.weight.grad.to_sparse()
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, "emb.weight", "sparse=False", "SparseAdam"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+
+
 @pytest.mark.parametrize("value", list(BAD_VALUES))
 def test_nonfinite_error_then_recovery_matches_a_run_without_the_bad_step(value):
     """After the refused step, the next finite step gives exactly what an optimizer that never saw
