@@ -53,9 +53,18 @@ def _clone(obj):
     return copy.deepcopy(obj)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal entries, NaN where the other has NaN (a refused NaN lr stays in the group as it was)."""
+    if a.shape != b.shape:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    return torch.equal(a, b)
+
+
 def _assert_equal(a, b, where="state"):
     if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} changed"
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and _same(a, b), f"{where} changed"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), f"keys of {where} changed"
         for k in a:
@@ -565,6 +574,23 @@ def test_options_changed_between_steps_are_checked_before_the_step(key, value, f
     with raises_naming(ValueError, fragment):
         opt.step()
     assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize(("value", "fragment"), [(float("nan"), "lr=nan"), (float("inf"), "lr=inf"),
+                                               (-0.5, "lr=-0.5")])
+def test_a_tensor_lr_filled_with_a_bad_value_is_refused_before_the_step(value, fragment):
+    """Schedulers fill a tensor lr in place; a CPU one is read at each eager step (it costs no sync)."""
+    model, opt = live_optimizer()
+    opt.param_groups[1]["lr"] = torch.tensor(0.02)
+    opt.step()
+    opt.param_groups[1]["lr"].fill_(value)
+    set_grads(model, 1)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, fragment, "param group 1 (at step time)"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+    opt.param_groups[1]["lr"].fill_(0.02)
+    opt.step()
 
 
 @pytest.mark.parametrize(("name", "group", "edit", "fragments"), [

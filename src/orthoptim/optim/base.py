@@ -278,8 +278,14 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         new storage or another shape; a parameter put into the group by hand changes the list. This
         runs every step, so it compares what Python reads cheaply."""
         where = f"param group {index} (at step time)"
-        # A tensor lr is not read (that would sync with its device); it was checked when it was set.
-        validate_group({**group, "lr": 0.0} if isinstance(group["lr"], Tensor) else group, where)
+        # A tensor lr that a scheduler fills in place is read where that is free (a CPU tensor, eager
+        # steps); on a GPU, or in a capturable or compiled step, reading it would sync with the device
+        # or break the graph, so there it is checked only when it is set.
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            readable = lr.device.type == "cpu" and not self.capturable and not torch.compiler.is_compiling()
+            lr = lr.item() if readable else 0.0
+        validate_group({**group, "lr": lr}, where)
         self._check_capturable_options(group, where)
         self._warn_cycled_betas(group, index)
         splits = group["split_sizes"]
