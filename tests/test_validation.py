@@ -108,6 +108,12 @@ def raises_naming(exc, *fragments):
 # (id, build(model) that must raise, exception, fragments the message must contain: the parameter or
 # option, and the fix)
 CONSTRUCTION_CASES = [
+    ("listed_twice", lambda m: orthoptim.Muon([named_group(m, "lin.weight", "out.weight", "lin.weight")]),
+     ValueError, ["lin.weight twice", "list each parameter once"]),
+    ("maximize", lambda m: orthoptim.Dion3([named_group(m, "lin.weight", maximize=True)]),
+     ValueError, ["maximize=True", "param group 0", "negated"]),
+    ("differentiable", lambda m: orthoptim.Muon([named_group(m, "lin.weight", differentiable=True)]),
+     ValueError, ["differentiable=True", "no_grad"]),
     ("1d_matrix_rule", lambda m: orthoptim.Muon([named_group(m, "lin.bias")]),
      ValueError, ["lin.bias", "at least 2 dims", "algorithm='adamw'"]),
     ("1d_norm_dion3", lambda m: orthoptim.Dion3([named_group(m, "lin.weight"), named_group(m, "norm.weight")]),

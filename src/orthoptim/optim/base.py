@@ -182,6 +182,13 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
+        # torch.optim keys that would change the result if they were silently ignored.
+        for key, fix in (("maximize", "minimize the negated objective (loss = -objective)"),
+                         ("differentiable", "its steps run under no_grad and cannot be differentiated through"
+                                            "meta-gradients through an optimizer")):
+            if param_group.get(key) and key not in self.defaults:
+                raise ValueError(f"param group {index} sets {key}={param_group[key]!r}, which orthoptim does not "
+                                 f"support: {fix}")
         unknown = sorted(set(param_group) - set(self.defaults) - _BOOKKEEPING_KEYS)
         for key in unknown:
             warnings.warn(
@@ -210,6 +217,14 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                              "give one name per parameter, in the same order")
         labels = [name or names[j] or f"param_groups[{index}].params[{j}] (#{offset + j})"
                   for j, (name, _) in enumerate(named)]
+        first: dict[Tensor, str] = {}  # torch.optim only warns of a parameter listed twice in a group
+        for (_, p), label in zip(named, labels):
+            if not isinstance(p, Tensor):
+                continue  # _check_param names what is not a tensor
+            if p in first:
+                raise ValueError(f"param group {index} lists {label} twice (also as {first[p]}): it would take "
+                                 "its update twice; list each parameter once")
+            first[p] = label
         self._check_blocks([p for _, p in named], labels, index)
         for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)

@@ -92,7 +92,9 @@ def matrix_view(
             "in their group (conv weights become [out, in·kh·kw])"
         )
     if rows == 0 or cols == 0:
-        raise ValueError(f"parameter {name} has shape {shape} with an empty matrix dimension")
+        raise ValueError(f"parameter {name} has shape {shape} with an empty matrix dimension: a matrix rule has "
+                         "nothing to orthogonalize; leave it out of the optimizer, or put it in a group with "
+                         "algorithm='adamw'")
     if transpose:  # split_sizes and num_heads below cut the transposed matrix's rows
         rows, cols = cols, rows
 
