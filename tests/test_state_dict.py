@@ -569,3 +569,25 @@ def test_an_optimizer_pickled_before_the_later_attributes_still_steps():
     w.grad = torch.randn(8, 12)
     old.step()
     assert old.param_groups[0]["transpose"] is False
+
+
+def test_loading_the_same_names_in_another_order_warns_and_keeps_this_optimizers_names():
+    """Same-shape matrices listed in reverse: position would give each another's momentum, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    opt = orthoptim.Dion3(orthoptim.param_groups(model))
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    groups = orthoptim.param_groups(model)
+    for g in groups:
+        g["params"].reverse()
+        g["param_names"].reverse()
+    reordered = orthoptim.Dion3(groups)
+    names = [list(g["param_names"]) for g in reordered.param_groups]
+    with pytest.warns(UserWarning, match=r"another order: parameter #0 is '0.weight' there and '4.weight' here") as caught:
+        reordered.load_state_dict(opt.state_dict())
+    assert {w.filename for w in caught} == {__file__}
+    assert [g["param_names"] for g in reordered.param_groups] == names  # they name this optimizer's params
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same order: no warning
+        orthoptim.Dion3(orthoptim.param_groups(model)).load_state_dict(opt.state_dict())

@@ -210,6 +210,25 @@ class StateKeeping:
                 f"now has transpose={group['transpose']}; that state belongs to the rows of the matrix as it was "
                 "read then, so keep transpose as it was, or start from a fresh optimizer")
 
+    def _warn_reordered_names(self, state_dict: dict[str, Any]) -> None:
+        """State is loaded by position: where both sides name their parameters and the names are the
+        same ones in another order, each parameter would take another's state (same shapes pass every
+        check). A warning, not an error: torch.distributed.checkpoint maps state by name itself and
+        hands over the saved names as they were, so there the order of the names says nothing."""
+        saved_groups = state_dict.get("param_groups", [])
+        if not (all("param_names" in g for g in saved_groups) and all("param_names" in g for g in self.param_groups)):
+            return
+        saved_names = [n for g in saved_groups for n in g["param_names"]]
+        names = [n for g in self.param_groups for n in g["param_names"]]
+        if saved_names != names and sorted(map(str, saved_names)) == sorted(map(str, names)):
+            at = next(i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b)
+            warnings.warn(
+                f"the loaded state dict names the same parameters as this optimizer in another order: parameter "
+                f"#{at} is {saved_names[at]!r} there and {names[at]!r} here. load_state_dict maps state by "
+                "position, so each would take another's state: build the param groups in the saved order (the "
+                "state dict's param_groups[i]['param_names']). (torch.distributed.checkpoint's loads map by "
+                "name themselves: there this warning is moot.)", stacklevel=4)
+
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
         checked before anything is loaded, so a refused one leaves this optimizer as it was."""
@@ -323,11 +342,14 @@ class StateKeeping:
         saved = state_dict["state"]
         before = [dict(g) for g in self.param_groups]
         held = {p: dict(self.state[p]) for p in params if p in self.state} if self.capturable else {}
+        self._warn_reordered_names(state_dict)
         super().load_state_dict(state_dict)
         self._betas_seen.clear()  # the loaded betas are the new reference
         for index, (group, old) in enumerate(zip(self.param_groups, before)):
             for key, value in old.items():  # keys a state dict of an older version lacks keep their values
                 group.setdefault(key, value)
+            if "param_names" in old:  # they name this optimizer's parameters, not the saved ones
+                group["param_names"] = old["param_names"]
             # The options that decide what the rule does (not lr, which schedules own): a silent change
             # of one would leave the optimizer the caller built running another rule.
             reads = options_read_by(group["algorithm"])
