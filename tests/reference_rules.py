@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -57,8 +56,9 @@ def lr_scale(m: int, n: int, adjust_lr: str | None) -> float:
 
 
 def ceil_fraction(fraction: float, d: int) -> int:
-    """ceil(fraction·d), with the fraction read as the decimal the user wrote (0.3·10 = 3, not 4)."""
-    return math.ceil(Fraction(str(fraction)) * d)
+    """ceil(fraction·d) as the smallest k whose share k/d, a float, reaches the fraction (0.3·10 = 3,
+    not the 4 of the rounded product; 5/6·6 = 5)."""
+    return next(k for k in range(d + 1) if k / d >= fraction)
 
 
 def top_l1(m: Tensor, k: int, dim: int) -> list[int]:

@@ -112,6 +112,8 @@ def test_decay_slices_with_a_ragged_index():
     (0.1, 10, 1),             # the float 0.1 is a hair above 1/10
     (0.1250000001, 8, 2),     # a hair above an integer is the next one (a tolerance made it 1)
     (1 / 3, 3, 1), (0.25, 768, 192), (1, 5, 5), (1e-6, 4096, 1), (0.7, 10, 7),
+    (5 / 6, 6, 5), (5 / 6, 768, 640), (5 / 12, 12, 5), (7 / 12, 1536, 896), (5 / 9, 9, 5),  # written as divisions
+    (1 / 16, 768, 48), (1 / 64, 4096, 64), (2 / 3, 3, 2),
 ])
 def test_the_selected_count_is_the_exact_ceiling_of_the_decimal_fraction(fraction, size, k):
     assert selection.ceil_fraction(fraction, size) == k
@@ -133,3 +135,13 @@ def test_a_fraction_a_hair_above_a_slice_count_selects_one_more_row_and_rank():
     q.grad = torch.randn(8, 8)
     dion.step()
     assert dion.state[q]["Q"].shape[-1] == 2
+
+
+def test_the_selected_count_is_the_fewest_slices_whose_float_share_reaches_the_fraction():
+    gen = torch.Generator().manual_seed(11)
+    sizes = torch.randint(1, 5000, (3000,), generator=gen).tolist()
+    numerators = torch.randint(1, 64, (3000,), generator=gen).tolist()
+    for size, num in zip(sizes, numerators):
+        for fraction in (num / 64, min(1.0, num / 37), float(torch.rand((), generator=gen)) or 0.5):
+            k = selection.ceil_fraction(fraction, size)
+            assert k / size >= fraction and (k == 0 or (k - 1) / size < fraction), (fraction, size, k)

@@ -12,17 +12,20 @@ from torch import Tensor
 
 
 def ceil_fraction(fraction: float, size: int) -> int:
-    """ceil(fraction · size), exactly, for the decimal ``fraction`` is written as (its repr).
+    """ceil(fraction · size): the fewest k slices whose share k / size (as a float) reaches ``fraction``.
 
-    Float products round: 0.3 · 20 is 6.000000000000001, whose ceiling 7 is one slice too many;
-    subtracting a tolerance instead would make 0.1250000001 · 8 one slice too few.
+    Float products round: 0.3 · 20 is 6.000000000000001, whose ceiling 7 is one slice too many, and
+    the float 5/6 is a hair above five sixths, so 5/6 · 6 would be 6. Subtracting a tolerance instead
+    made 0.1250000001 · 8 one slice too few. Comparing shares as floats gives 6, 5 and 2.
     """
     return _ceil_fraction(float(fraction), int(size))
 
 
 @functools.lru_cache(maxsize=4096)
 def _ceil_fraction(fraction: float, size: int) -> int:
-    return math.ceil(Fraction(repr(fraction)) * size)
+    k = math.ceil(Fraction(fraction) * size)  # exact: the fewest k with k / size ≥ fraction in real numbers
+    # k − 1 slices may already reach the fraction once their share is rounded to a float (5/6 · 6).
+    return k - 1 if k > 0 and (k - 1) / size >= fraction else k
 
 
 def num_selected(size: int, fraction: float) -> int:
