@@ -584,7 +584,8 @@ def test_loading_the_same_names_in_another_order_warns_and_keeps_this_optimizers
         g["param_names"].reverse()
     reordered = orthoptim.Dion3(groups)
     names = [list(g["param_names"]) for g in reordered.param_groups]
-    with pytest.warns(UserWarning, match=r"another order: parameter #0 is '0.weight' there and '4.weight' here") as caught:
+    expected = r"another order: parameter #0 is '0.weight' there and '4.weight' here"
+    with pytest.warns(UserWarning, match=expected) as caught:
         reordered.load_state_dict(opt.state_dict())
     assert {w.filename for w in caught} == {__file__}
     assert [g["param_names"] for g in reordered.param_groups] == names  # they name this optimizer's params

@@ -184,8 +184,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         index = len(self.param_groups)
         # torch.optim keys that would change the result if they were silently ignored.
         for key, fix in (("maximize", "minimize the negated objective (loss = -objective)"),
-                         ("differentiable", "its steps run under no_grad and cannot be differentiated through"
-                                            "meta-gradients through an optimizer")):
+                         ("differentiable", "its steps run under no_grad and cannot be differentiated through")):
             if param_group.get(key) and key not in self.defaults:
                 raise ValueError(f"param group {index} sets {key}={param_group[key]!r}, which orthoptim does not "
                                  f"support: {fix}")
@@ -620,7 +619,11 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for batch in megabatches(params, key=key):
             # Elementwise rules: each rank updates its own shard, no communication.
             xs = [local_tensor(p) for p in batch]
-            grads = [local_tensor(p.grad) for p in batch]
+            # A gradient of another dtype (torch 2.13's p.grad_dtype: fp32 gradients of bf16 weights) is
+            # rounded to the parameter's, as the matrix rules' momentum does: torch's foreach and fused
+            # kernels take one dtype (the fused AdamW refused the pair after the matrix groups had stepped).
+            grads = [g if g.dtype == x.dtype else g.to(x.dtype) for g, x in
+                     zip((local_tensor(p.grad) for p in batch), xs)]
             states = [self.state[p] for p in batch]
             exp_avgs = [local_tensor(s["exp_avg"]) for s in states]
             if group["algorithm"] == "adamw":

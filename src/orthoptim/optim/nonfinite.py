@@ -77,13 +77,6 @@ class GradientChecks:
                     f"parameter {self.param_name(p)} has shape {tuple(p.shape)} but its gradient has "
                     f"shape {tuple(p.grad.shape)}"
                 )
-            # Checked here, before any group steps: the fused AdamW kernel refuses a mixed pair half-way
-            # through a step, and the matrix rules would round the gradient into the parameter's dtype.
-            if p.grad.dtype != p.dtype:
-                raise ValueError(
-                    f"parameter {self.param_name(p)} is {p.dtype} but its gradient is {p.grad.dtype}; orthoptim "
-                    f"steps gradients of the parameter's dtype: set p.grad_dtype = None (gradients then take "
-                    f"the parameter's dtype), or keep an fp32 copy of the parameters to optimize")
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [local_tensor(p.grad) for p in params]
         # A rank whose parameters have no gradients this step still takes part in the verdict.
