@@ -446,6 +446,10 @@ def report(results: dict[str, Any], png: str | None, top_ops: int) -> None:
           "MiB = 2**20 bytes, GB = 10**9\n")
     if top_ops:
         print(top_ops_table(rows))
+    if results.get("stopped"):
+        print(f"\nstopped: {results['stopped']}")
+    for module, why in results.get("triton_turned_off", {}).items():
+        print(f"\nTriton turned off during the run: {module}: {why}")
     if png:
         title = (f"optimizer.step() median, {env.get('gpu', env['cpu'])}, {env['threads']} thread(s), "
                  f"parameters {results['dtype']}{', iterations ' + iterations if iterations else ''}, "
@@ -518,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     no_fused = _fused_adamw_works(device)
     bf16_slowdown = _slow_bf16_matmul(device)
     started = time.time()
-    failures = 0
+    failed = [0]  # rungs that raised, and a stop: counted where they happen (run_set)
     results: dict[str, Any] = {"environment": env, "device_limits": limits, "dtype": args.dtype,
                                "warmup": max(args.warmup, 1), "repeats": args.repeats, "rounds": args.rounds,
                                "columns": COLUMNS,
@@ -535,17 +539,22 @@ def main(argv: list[str] | None = None) -> int:
         results["rows"] = [r for r in results["rows"] if r["set"] != label] + ordered
         save()
 
+    def gpu_only(label: str) -> bool:
+        return label.partition(":")[0] in GPU_ONLY_SETS and not cuda
+
+    for label, d_model, layers, _ in filter(lambda s: gpu_only(s[0]), sets):
+        say(f"ladder: skipping {label}: the 7B-like set is GPU-only "
+            f"({sum(m * n for m, n in gpt_matrix_shapes(d_model, layers)) / 1e9:.1f} B parameters; one Muon step "
+            "would take hours on a CPU)")
+    sets = [s for s in sets if not gpu_only(s[0])]  # the budget's shares go to the sets that run
+
     def deadline(set_index: int) -> float:
         return math.inf if args.budget_s is None else started + args.budget_s * (set_index + 1) / len(sets)
 
-    def run_set(set_index: int, label: str, d_model: int, layers: int, full: int) -> int:
-        """Every rung of one set, timed, published into ``results`` as it goes; returns the failures."""
-        failures = 0
+    def run_set(set_index: int, label: str, d_model: int, layers: int, full: int) -> None:
+        """Every rung of one set, timed, published into ``results`` as it goes; failures are counted in
+        ``failed`` as they happen, so a stop in the middle of a set keeps the count."""
         shapes = gpt_matrix_shapes(d_model, layers)
-        if label.partition(":")[0] in GPU_ONLY_SETS and not cuda:
-            say(f"ladder: skipping {label}: the 7B-like set is GPU-only ({sum(m * n for m, n in shapes) / 1e9:.1f} B "
-                "parameters; one Muon step would take hours on a CPU)")
-            return 0
         all_rungs = rungs(device, shapes)
         param_bytes = sum(m * n for m, n in shapes) * dtype.itemsize
         info = {"d_model": d_model, "layers": layers, "preset_layers": full,
@@ -582,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # one broken rung must not cost the rungs and sets after it
                     traceback.print_exc()
                     row = skipped(label, rung, f"failed: {type(e).__name__}: {str(e)[:200]}")
-                    failures += 1
+                    failed[0] += 1
                 if cuda:
                     torch.cuda.empty_cache()
                 if set(select._triton_off) - triton_off_before:  # the note said Triton; this rung fell back
@@ -604,18 +613,18 @@ def main(argv: list[str] | None = None) -> int:
                     pool_times(rows[name], more_times(all_rungs[name], shapes, device, dtype, args))
                 except Exception:  # the first round's times stand
                     traceback.print_exc()
-                    failures += 1
+                    failed[0] += 1
                 say(f"  {label:>8} {name:<12} {rows[name]['median_ms']:10.1f} ms  (round {round_index + 1})")
             publish(label, rows)
-        return failures
 
     try:
         for set_index, (label, d_model, layers, full) in enumerate(sets):
-            failures += run_set(set_index, label, d_model, layers, full)
+            run_set(set_index, label, d_model, layers, full)
     except KeyboardInterrupt:  # a stop (gpu_check's time cap sends SIGINT): report what was measured
         results["stopped"] = "interrupted (SIGINT) while a rung ran; the rows measured before are kept"
         say(f"ladder: {results['stopped']}")
-        failures += 1
+        failed[0] += 1
+    failures = failed[0]
     if select._triton_off:
         results["triton_turned_off"] = dict(select._triton_off)
 

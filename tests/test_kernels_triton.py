@@ -331,3 +331,15 @@ def test_dion3_dispatch(tk, monkeypatch):
     same = [p.contiguous() for p in params]
     assert tk.dion3.supported(same)
     assert kernels._dion3_triton(same, index.to(DEVICE), o.to(DEVICE), v.to(DEVICE), True)
+
+
+def test_the_gpu_checks_triton_probe_launches_a_kernel(tk):
+    """benchmarks/triton_probe.py, which gpu_check.sh runs first (a file: @triton.jit reads its source)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_probe.py"
+    spec = importlib.util.spec_from_file_location("triton_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.probe(DEVICE) == "ok"

@@ -592,3 +592,27 @@ def test_loading_the_same_names_in_another_order_warns_and_keeps_this_optimizers
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same order: no warning
         orthoptim.Dion3(orthoptim.param_groups(model)).load_state_dict(opt.state_dict())
+
+
+def test_a_distributed_checkpoint_load_into_reordered_groups_maps_by_name_without_a_warning():
+    """torch.distributed.checkpoint's set_optimizer_state_dict maps by name itself and passes the saved
+    param_names through: the reordered-names warning must not fire there."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    opt = orthoptim.Dion3(orthoptim.param_groups(model))
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    saved = get_optimizer_state_dict(model, opt)
+    groups = orthoptim.param_groups(model)
+    for g in groups:
+        g["params"].reverse()
+        g["param_names"].reverse()
+    reordered = orthoptim.Dion3(groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        set_optimizer_state_dict(model, reordered, saved)
+    for p in model.parameters():
+        if "momentum" in opt.state[p]:
+            assert torch.equal(reordered.state[p]["momentum"], opt.state[p]["momentum"])

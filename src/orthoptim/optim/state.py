@@ -213,11 +213,14 @@ class StateKeeping:
     def _warn_reordered_names(self, state_dict: dict[str, Any]) -> None:
         """State is loaded by position: where both sides name their parameters and the names are the
         same ones in another order, each parameter would take another's state (same shapes pass every
-        check). A warning, not an error: torch.distributed.checkpoint maps state by name itself and
-        hands over the saved names as they were, so there the order of the names says nothing."""
+        check). torch.distributed.checkpoint maps state by name itself: it hands over the parameters'
+        names as ``params``, in this optimizer's order, next to the saved ``param_names`` as they were,
+        so there the order of those says nothing and nothing is compared."""
         saved_groups = state_dict.get("param_groups", [])
         if not (all("param_names" in g for g in saved_groups) and all("param_names" in g for g in self.param_groups)):
             return
+        if any(isinstance(i, str) for g in saved_groups for i in g.get("params", ())):
+            return  # params named by torch.distributed.checkpoint
         saved_names = [n for g in saved_groups for n in g["param_names"]]
         names = [n for g in self.param_groups for n in g["param_names"]]
         if saved_names != names and sorted(map(str, saved_names)) == sorted(map(str, names)):
@@ -226,8 +229,7 @@ class StateKeeping:
                 f"the loaded state dict names the same parameters as this optimizer in another order: parameter "
                 f"#{at} is {saved_names[at]!r} there and {names[at]!r} here. load_state_dict maps state by "
                 "position, so each would take another's state: build the param groups in the saved order (the "
-                "state dict's param_groups[i]['param_names']). (torch.distributed.checkpoint's loads map by "
-                "name themselves: there this warning is moot.)", stacklevel=4)
+                "state dict's param_groups[i]['param_names'])", stacklevel=4)
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
