@@ -74,3 +74,26 @@ def test_bf16_capturable_steps_round_like_eager_ones(algorithm):
     eager = first_step(algorithm, (16, 24), torch.bfloat16, False)
     captured = first_step(algorithm, (16, 24), torch.bfloat16, True)
     assert mismatches(captured, eager) == 0.0, mismatches(captured, eager)
+
+
+@pytest.mark.parametrize("update_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_blocked_cpu_decay_and_update_equal_the_two_passes(monkeypatch, update_dtype, weight_decay):
+    """fp32 parameters on a CPU take decay and update block by block: bit for bit the decay pass and
+    then the update pass, also with a ragged last block and blocks that straddle rows."""
+    from orthoptim.rules import weight_decay as wd
+
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(37, 29, generator=gen) for _ in range(3)]
+    updates = torch.randn(3, 37, 29, generator=gen).to(update_dtype)
+    expected = [x.clone() for x in xs]
+    wd.decay_(expected, 0.05, weight_decay)
+    wd.apply_(expected, updates, 0.05 * 1.7)
+    # 9 blocks per matrix, the last one of 49; a multiple of every SIMD width, as the default is, so
+    # every element goes through the same vector code as in one pass
+    monkeypatch.setattr(wd, "CPU_BLOCK_ELEMENTS", 128)
+    assert wd._blocked_on_cpu(xs, updates, 0.05, 0.05 * 1.7)
+    wd.decay_and_apply_(xs, updates, 0.05, weight_decay, 0.05 * 1.7)
+    for x, e in zip(xs, expected):
+        assert torch.equal(x, e)
+    assert not wd._blocked_on_cpu([xs[0].t()], updates[:1].mT, 0.05, 0.05)  # views take the two passes

@@ -13,6 +13,12 @@ from torch import Tensor
 from orthoptim.orthogonalize import PolarFactors
 
 LearningRate = float | Tensor
+# On CPUs, fp32-or-wider parameters take their decay and update one block of this many elements at a
+# time (256 KiB of fp32), the block still in cache for the second op: 2.5 passes over memory instead of
+# the 4.5 of a decay pass and an update pass, and the update's widening to the parameters' dtype works
+# in a small scratch instead of a fresh matrix-sized one (whose page faults cost more than the add).
+# 2^15-2^17 tie within noise on a 2-core Xeon (AMX); 0 turns the blocking off.
+CPU_BLOCK_ELEMENTS = 1 << 16
 # On GPUs, fuse the last product into the update only from this many multiply-adds per matrix
 # (512³): below it, launch overhead outweighs the saved passes. A first guess, not yet measured.
 FUSED_MIN_MACS_ON_ACCELERATORS = 1 << 27
@@ -56,6 +62,9 @@ def decay_and_apply_(params: list[Tensor], updates: Tensor, lr: LearningRate, we
     fp16/bf16 ones: computed in fp32 from the old X, one matrix at a time, and rounded once.
     """
     if params[0].dtype not in ROUNDED_ONCE:
+        if _blocked_on_cpu(params, updates, lr, step_size):
+            _decay_and_apply_blocks_(params, updates, 1.0 - lr * weight_decay, step_size)
+            return
         decay_(params, lr, weight_decay)
         apply_(params, updates, step_size)
         return
@@ -69,6 +78,26 @@ def decay_and_apply_(params: list[Tensor], updates: Tensor, lr: LearningRate, we
         else:
             new.add_(u, alpha=-step_size)
         x.copy_(new)
+
+
+def _blocked_on_cpu(params: list[Tensor], updates: Tensor, lr: LearningRate, step_size: LearningRate) -> bool:
+    return (CPU_BLOCK_ELEMENTS > 0 and updates.device.type == "cpu" and not isinstance(lr, Tensor)
+            and not isinstance(step_size, Tensor) and updates.is_contiguous()
+            and torch.promote_types(updates.dtype, params[0].dtype) == params[0].dtype
+            and all(x.is_contiguous() for x in params))
+
+
+def _decay_and_apply_blocks_(params: list[Tensor], updates: Tensor, decay: float, step_size: float) -> None:
+    """X ← X·decay − step_size·U, block by block (``CPU_BLOCK_ELEMENTS``): the same two roundings per
+    element as the decay pass and the update pass, in the same order."""
+    block = CPU_BLOCK_ELEMENTS
+    for x, u in zip(params, updates.unbind(0)):
+        xf, uf = x.view(-1), u.view(-1)
+        for i in range(0, xf.numel(), block):
+            xb = xf[i:i + block]
+            if decay != 1.0:
+                xb.mul_(decay)
+            xb.add_(uf[i:i + block], alpha=-step_size)
 
 
 def apply_polar_factors_(params: list[Tensor], factors: PolarFactors, lr: LearningRate, weight_decay: float,
