@@ -7,6 +7,7 @@ matmuls run everywhere, only slowly without bf16 units), against float64 referen
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import pytest
@@ -161,9 +162,11 @@ def test_gram_in_bf16_is_standard_newton_schulz_because_gram_ns_blows_up_there()
     restarts did not prevent it; fp16's three more mantissa bits do (the default on GPUs)."""
     x = _spiked(1000, 4, seed=4)
     gram_ns = partial(gram_newton_schulz, dtype=torch.bfloat16)
-    # Why: Gram NS proper in bf16, with the restarts it used to default to, leaves the unit interval.
-    assert _largest_singular_values(gram_newton_schulz(BLOWN_UP, dtype=torch.bfloat16, restarts=(2, 4))) > 100
-    assert int((_largest_singular_values(gram_ns(x, restarts=(2, 4))) > 1.5).sum()) >= 3
+    # Why: Gram NS proper in bf16, with the restarts it used to default to, leaves the unit interval
+    # (asking for it by restarts= runs it, with a warning).
+    with pytest.warns(RuntimeWarning, match=r"restarts=\(2, 4\) runs Gram Newton-Schulz in torch.bfloat16"):
+        assert _largest_singular_values(gram_newton_schulz(BLOWN_UP, dtype=torch.bfloat16, restarts=(2, 4))) > 100
+        assert int((_largest_singular_values(gram_ns(x, restarts=(2, 4))) > 1.5).sum()) >= 3
     # The default: bf16 standard NS, bit for bit, within the schedule's band (≤ ~1.13) on every input.
     for inputs in (BLOWN_UP, x, _spiked(200, 8, seed=8)):
         assert torch.equal(gram_ns(inputs), newton_schulz(inputs, dtype=torch.bfloat16))
@@ -174,6 +177,18 @@ def test_gram_in_bf16_is_standard_newton_schulz_because_gram_ns_blows_up_there()
         assert _largest_singular_values(gram_newton_schulz(inputs, dtype=torch.float16)).max().item() < 1.3
     assert _largest_singular_values(gram_newton_schulz(FP16_WORST, dtype=torch.float16)).item() < 1.4
     assert _largest_singular_values(gram_newton_schulz(FP16_WORST, dtype=torch.float16, restarts=(2, 4))) < 1.15
+
+
+def test_fp16_gram_without_a_restart_warns_and_is_nan_on_a_rank_one_input():
+    x = torch.outer(torch.randn(8, generator=torch.Generator().manual_seed(1)),
+                    torch.randn(64, generator=torch.Generator().manual_seed(2)))[None]
+    with pytest.warns(RuntimeWarning, match=r"restarts=\(\) runs Gram Newton-Schulz in torch.float16"):
+        bare = gram_newton_schulz(x, dtype=torch.float16, restarts=())
+    assert not torch.isfinite(bare).all()  # why it warns
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default restart, and square inputs (standard NS), say nothing
+        assert torch.isfinite(gram_newton_schulz(x, dtype=torch.float16)).all()
+        gram_newton_schulz(torch.randn(1, 8, 8), dtype=torch.bfloat16, restarts=(2,))
 
 
 @pytest.mark.parametrize("kind", ["gaussian", "decaying", "low_rank"])
@@ -210,8 +225,9 @@ def test_gram_follows_the_working_dtype(auto):
     x = _gaussian(3, 16, 64)
     auto(True)
     assert torch.equal(gram_newton_schulz(x), newton_schulz(x, dtype=torch.bfloat16))
-    assert not torch.equal(gram_newton_schulz(x), gram_newton_schulz(x, dtype=torch.bfloat16,
-                                                                      restarts=DEFAULT_RESTARTS))
+    with pytest.warns(RuntimeWarning, match="runs Gram Newton-Schulz in torch.bfloat16"):
+        gram_proper = gram_newton_schulz(x, dtype=torch.bfloat16, restarts=DEFAULT_RESTARTS)
+    assert not torch.equal(gram_newton_schulz(x), gram_proper)
     assert torch.equal(gram_newton_schulz(x, dtype=torch.float16),
                        gram_newton_schulz(x, dtype=torch.float16, restarts=DEFAULT_RESTARTS))
     auto(False)

@@ -403,3 +403,17 @@ def test_fused_dion3_triton_that_fails_leaves_the_torch_update(monkeypatch, norm
     assert (got_v is None) == (not normalize)
     if normalize:
         assert torch.equal(got_v, expected_v)
+
+
+def test_a_zero_row_with_a_tiny_epsilon_keeps_the_dion3_update_finite():
+    """With V = 0 a zero row's denominator is ε, and ε² underflows fp32 for ε ≲ 1e-23: divided by d²,
+    0/0 was NaN, which the Frobenius rescale spread to every row of the matrix."""
+    params, index, o, v = dion3_problem(1, 12, 10, 4, torch.float32, seed=9)
+    o[0, 1] = 0
+    v[0, 1] = 0
+    expected = [p.clone() for p in params]
+    got_v = kernels.dion3_post_update(params, index, o, v, normalize=True, **{**HYPER, "eps": 1e-30})
+    assert all(torch.isfinite(p).all() for p in params) and torch.isfinite(got_v).all()
+    row = int(index[0, 1])
+    torch.testing.assert_close(params[0][row], expected[0][row] * (1 - HYPER["lr"] * HYPER["weight_decay"]))
+    assert not torch.equal(params[0][int(index[0, 0])], expected[0][int(index[0, 0])])

@@ -343,3 +343,18 @@ def test_the_gpu_checks_triton_probe_launches_a_kernel(tk):
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert probe.probe(DEVICE) == "ok"
+
+
+def test_the_triton_dion3_update_of_a_zero_row_with_a_tiny_epsilon_is_torchs(tk):
+    params, index, o, v = dion3_problem(1, 12, 10, 4, torch.float32, seed=9)
+    o[0, 1] = 0
+    v[0, 1] = 0
+    hyper = {**HYPER, "eps": 1e-30}
+    expected = [p.clone() for p in params]
+    expected_v = torch_backend.dion3_post_update(expected, index, o, v.clone(), normalize=True, **hyper)
+    moved = [p.to(DEVICE) for p in params]
+    got_v = tk.dion3.dion3_post_update(moved, index.to(DEVICE), o.to(DEVICE), v.to(DEVICE), normalize=True, **hyper)
+    assert all(torch.isfinite(p).all() for p in moved)
+    for p, e in zip(moved, expected):
+        torch.testing.assert_close(p.cpu(), e, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got_v.cpu(), expected_v)

@@ -4,8 +4,12 @@ CPUs with AMX tiles (Intel Sapphire Rapids and later) or AVX-512 BF16 run oneDNN
 ~4x faster than fp32 ones at the 512-wide products of GPT matrices (measured on one Sapphire Rapids
 core: ~450 against ~115 GFLOP/s; ~7x on a 2048³ product, 983 against 144);
 without them bf16 is emulated and ~50x slower than fp32. Newton-Schulz in bf16 is what Muon runs
-on GPUs, and its error against the exact polar factor stays that of the coefficient schedule
-(``tests/test_cpu_dtype.py``), so the fast dtype is the right default where it exists.
+on GPUs, and on matrices of full numerical rank its error against the exact polar factor stays that
+of the coefficient schedule (``tests/test_cpu_dtype.py``), so the fast dtype is the default where it
+exists. As on GPUs, a momentum of low numerical rank differs: rounding it to bf16 adds singular
+values of ~2⁻⁹ of its largest, which the iteration lifts toward 1 like real ones (for a rank-1
+gradient the update's cosine with u vᵀ is ~0.6 in bf16, 1.0 in fp32); ``ORTHOPTIM_CPU_DTYPE=float32``
+keeps such updates exact, at ~4x the time.
 
 ``ORTHOPTIM_CPU_DTYPE`` (read at every call, so tests and benchmarks can switch it):
 ``auto`` (default, also when unset or empty), ``float32`` or ``bfloat16``. An explicit ``dtype=``

@@ -44,7 +44,9 @@ def normalized_row_scale(sumsq: Tensor, v: Tensor, n: int, beta2: float, eps: fl
     v_new = torch.lerp(sumsq / max(n, 1), v, beta2)  # β₂V + (1−β₂)·mean(O²)
     d = v_new.sqrt() + eps
     norm_o = sumsq.sum(-1, keepdim=True).sqrt()
-    norm_hat = (sumsq / d.square()).sum(-1, keepdim=True).sqrt()
+    # Divided twice rather than by d²: with a tiny ε (1e-23) a zero row's d² underflows to 0, and 0/0
+    # would be NaN in every row of the matrix after the rescale; (0/d)/d is 0.
+    norm_hat = (sumsq / d / d).sum(-1, keepdim=True).sqrt()
     # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
     return norm_o / norm_hat.clamp_min(torch.finfo(sumsq.dtype).tiny) / d, v_new
 

@@ -84,7 +84,7 @@ def _row_coefficient_kernel(
         tl.store(v_new_ptr + base + r0 + offs, v_new, mask=ok)
         d = tl.sqrt_rn(v_new) + eps
         norm_o += s
-        norm_hat += tl.where(ok, tl.div_rn(s, d * d), 0.0)
+        norm_hat += tl.where(ok, tl.div_rn(tl.div_rn(s, d), d), 0.0)  # twice: d² could underflow (torch_backend)
     # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the floor keeps 0/0 at 0.
     ratio = tl.div_rn(tl.sqrt_rn(tl.sum(norm_o, axis=0)), tl.maximum(tl.sqrt_rn(tl.sum(norm_hat, axis=0)), tiny))
     for r0 in range(0, k, BLOCK):

@@ -8,6 +8,7 @@ in exact arithmetic, because every iterate X_t = Q_t X_0 with Q_t a polynomial i
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +72,12 @@ def gram_newton_schulz_factors(
     k, n = batch.shape[-2:]
     if k == n or standard:  # in Gram NS's working dtype (fp16 on CUDA), not standard NS's (bf16 there)
         return newton_schulz_factors(x, coeffs, dtype=work, eps=eps)
+    if restarts is not None and (work == torch.bfloat16 or (work == torch.float16 and not restart_at)):
+        warnings.warn(
+            f"gram_newton_schulz: restarts={tuple(restarts)} runs Gram Newton-Schulz in {work}, where it can "
+            "diverge (largest singular values of 1e10 and NaN on low-rank or spiked inputs; docs/kernels.md, "
+            "'The dtype'): in bf16 leave restarts unset (standard NS runs), in fp16 keep at least one "
+            "restart, or pass dtype=torch.float32", RuntimeWarning, stacklevel=3)
     transposed = k > n
     if transposed:
         batch = batch.mT
