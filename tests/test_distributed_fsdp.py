@@ -268,6 +268,49 @@ def test_gathered_bf16_matrices_round_once_like_one_process():
             assert max(mismatched) <= 0.01, (name, mismatched)
 
 
+def _bf16_row_shards_of_odd_width(rank: int, world: int) -> dict:
+    """bf16 rows sharded by rows, odd widths, a rank holding one row: the fp32 variance rides back as
+    pairs of bf16 columns, and one row of an odd width started mid-fp32 (view() refused it on that rank
+    only, and the others waited in the second all-to-all or stepped alone)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tests.reference_rules import polar
+
+    def bf16_polar(x: torch.Tensor) -> torch.Tensor:  # the same on every rank, whatever the batch
+        return torch.stack([polar(a) for a in x]).to(torch.bfloat16).to(x.dtype)
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    cases = (("normuon", (3, 5), {}), ("dion3", (5, 7), {"fraction": 0.5, "selection_scope": "global"}),
+             ("dion3", (16, 27), {"fraction": 0.01, "selection_scope": "global"}))
+    for name, shape, options in cases:
+        gen = torch.Generator().manual_seed(6)
+        init = torch.randn(shape, generator=gen).to(torch.bfloat16)
+        single = nn.Parameter(init.clone())
+        sharded = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
+        group = dict(algorithm=name, orthogonalizer=bf16_polar, **options)
+        opt_single = orthoptim.Dion3([{"params": [single], **group}], lr=0.01)
+        opt = orthoptim.Dion3([{"params": [sharded], **group}], lr=0.01, distributed_mesh=mesh)
+        for _ in range(2):
+            g = torch.randn(shape, generator=gen).to(torch.bfloat16)
+            single.grad, sharded.grad = g.clone(), distribute_tensor(g.clone(), mesh, [Shard(0)])
+            opt_single.step()
+            opt.step()
+        variance = opt.state[sharded]["variance"]
+        variance = variance.full_tensor() if hasattr(variance, "full_tensor") else variance
+        out[f"{name} {shape}"] = (float((sharded.full_tensor() != single).float().mean()),
+                                  float((variance != opt_single.state[single]["variance"]).float().mean()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bf16_row_shards_of_odd_width_match_one_process(world):
+    for result in run_distributed(_bf16_row_shards_of_odd_width, world, timeout=120):
+        for key, (weights, variance) in result.items():
+            assert weights <= 0.01 and variance <= 0.01, (key, weights, variance)
+
+
 def _construction_error(build) -> str:
     """The message of the ValueError that building an optimizer raises on this rank."""
     try:

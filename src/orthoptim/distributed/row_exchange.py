@@ -34,9 +34,13 @@ def _as_columns(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _from_columns(cols: Tensor, like: Tensor) -> Tensor:
     """Inverse of ``_as_columns`` for a tensor shaped and typed like ``like``."""
-    if cols.dtype != like.dtype:
-        cols = cols.contiguous().view(like.dtype) if cols.element_size() <= like.element_size() \
-            else cols.to(like.dtype)
+    if cols.dtype != like.dtype and cols.element_size() > like.element_size():
+        cols = cols.to(like.dtype)
+    elif cols.dtype != like.dtype:
+        # Always a fresh copy (these are a few values per row): a slice of the packed rows can count as
+        # contiguous and still start mid-element of ``like``'s dtype, or carry odd strides on its size-1
+        # dims (one row of an odd width), and view() refuses both.
+        cols = torch.empty(cols.shape, dtype=cols.dtype, device=cols.device).copy_(cols).view(like.dtype)
     return cols.squeeze(-1) if like.ndim == 2 else cols
 
 
