@@ -108,3 +108,49 @@ def test_column_sharded_dion3_dion2_on_2_ranks():
 
 def test_column_sharded_dion3_dion2_on_4_ranks():
     _check(run_distributed(_column_sharded, 4, timeout=240), 4)
+
+
+def _gradients_in_other_placements(rank: int, world: int) -> dict:
+    """Replicated weights under a batch-sharded input get Partial(sum) gradients from DTensor autograd
+    (sequence parallelism's norms, for one); a row-sharded weight can be handed a column-sharded
+    gradient. Each rank's block of such a gradient is not the block of the gradient the step reads:
+    the step used partial sums (replicas drifted apart) and misread the columns."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)
+    w0, b0, x0 = torch.randn(6, 4, generator=gen), torch.randn(4, generator=gen), torch.randn(9, 6, generator=gen)
+    v0, gv = torch.randn(6, 6, generator=gen), torch.randn(6, 6, generator=gen)
+
+    def groups(w, b, v):
+        return [{"params": [w], "algorithm": "muon"}, {"params": [b], "algorithm": "adamw"},
+                {"params": [v], "algorithm": "dion3", "fraction": 0.5}]
+
+    w = nn.Parameter(distribute_tensor(w0.clone(), mesh, [Replicate()]))
+    b = nn.Parameter(distribute_tensor(b0.clone(), mesh, [Replicate()]))
+    v = nn.Parameter(distribute_tensor(v0.clone(), mesh, [Shard(0)]))
+    ((distribute_tensor(x0, mesh, [Shard(0)]) @ w + b) ** 2).sum().backward()
+    partial = str(w.grad.placements)
+    v.grad = distribute_tensor(gv.clone(), mesh, [Shard(1)])
+    opt = orthoptim.Dion3(groups(w, b, v), lr=0.1, distributed_mesh=mesh)
+    opt.step()
+    ws, bs, vs = nn.Parameter(w0.clone()), nn.Parameter(b0.clone()), nn.Parameter(v0.clone())
+    ((x0 @ ws + bs) ** 2).sum().backward()
+    vs.grad = gv.clone()
+    orthoptim.Dion3(groups(ws, bs, vs), lr=0.1).step()
+    result = {"partial": partial, "w": _rel(w.to_local(), ws), "b": _rel(b.to_local(), bs), "v": _rel(_full(v), vs)}
+    v.grad = gv.clone()  # a plain tensor: there is no layout to redistribute from
+    try:
+        opt.step()
+        result["plain"] = "stepped"
+    except ValueError as e:
+        result["plain"] = str(e)
+    return result
+
+
+def test_gradients_in_other_placements_are_redistributed_to_the_parameters():
+    for result in run_distributed(_gradients_in_other_placements, 3, timeout=120):
+        assert "Partial" in result["partial"]  # what the case is about
+        assert max(result["w"], result["b"], result["v"]) <= 1e-6, result
+        assert "is a DTensor but its gradient is a plain tensor" in result["plain"], result["plain"]

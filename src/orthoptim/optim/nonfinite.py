@@ -59,6 +59,24 @@ class GradientChecks:
         self._beyond_meshes: dict[Tensor, bool] = {}
         self._checksums: tuple[tuple, Tensor] | None = None  # see _options_checksum
 
+    def _grad_laid_out_as_parameter(self, p: Tensor) -> None:
+        """A DTensor parameter's gradient in the parameter's placements: the step reads each rank's block
+        of both as the same rows and columns. A ``Partial`` gradient (a replicated weight under tensor or
+        sequence parallelism) is a sum still to be taken, and a gradient sharded another way holds the
+        same values laid out otherwise: both are redistributed here (DTensor autograd gives every rank
+        its gradient, so every rank takes part in the same order)."""
+        g, name = p.grad, self.param_name(p)
+        if not (isinstance(p, DTensor) and isinstance(g, DTensor)):
+            kinds = ["a DTensor" if isinstance(t, DTensor) else "a plain tensor" for t in (p, g)]
+            raise ValueError(f"parameter {name} is {kinds[0]} but its gradient is {kinds[1]}; give it a gradient "
+                             "of the same kind (as autograd does), e.g. distribute_tensor(grad, p.device_mesh, "
+                             "p.placements) or grad.full_tensor()")
+        if g.device_mesh != p.device_mesh:
+            raise ValueError(f"parameter {name} lives on {p.device_mesh} but its gradient on {g.device_mesh}; "
+                             "give it a gradient on the parameter's mesh")
+        if tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
     def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],
                 verdict_groups: list[dist.ProcessGroup]) -> tuple[Tensor, Tensor, Tensor | None]:
         """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
@@ -77,6 +95,8 @@ class GradientChecks:
                     f"parameter {self.param_name(p)} has shape {tuple(p.shape)} but its gradient has "
                     f"shape {tuple(p.grad.shape)}"
                 )
+            if isinstance(p, DTensor) or isinstance(p.grad, DTensor):
+                self._grad_laid_out_as_parameter(p)
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [local_tensor(p.grad) for p in params]
         # A rank whose parameters have no gradients this step still takes part in the verdict.
