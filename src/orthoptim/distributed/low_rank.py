@@ -21,15 +21,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from orthoptim.distributed.comm import CommStats, all_reduce
-from orthoptim.orthogonalize.power_iteration import cholesky_qr_pass, householder_basis
+from orthoptim.orthogonalize.power_iteration import cholesky_qr_pass
 
 
-def _householder_rows(p: Tensor, rows_group: dist.ProcessGroup | None, full_rows: int, full_cols: int,
+def _householder_rows(p: Tensor, rows_group: dist.ProcessGroup | None, full_rows: int,
                       stats: CommStats | None) -> Tensor:
-    """Fallback: gather whole P, Householder QR, keep this rank's rows (rare: ill-conditioned P). As on
-    one process, columns past P's numerical rank come back zero (``householder_basis``)."""
+    """Fallback: gather whole P, Householder QR, keep this rank's rows (rare: ill-conditioned P)."""
     if rows_group is None:
-        return householder_basis(p, full_cols)
+        return torch.linalg.qr(p).Q
     world, rank = dist.get_world_size(rows_group), dist.get_rank(rows_group)
     chunk = -(-full_rows // world)
     padded = p.new_zeros((p.shape[0], chunk, p.shape[2]))
@@ -40,7 +39,7 @@ def _householder_rows(p: Tensor, rows_group: dist.ProcessGroup | None, full_rows
         stats.record("all_gather", padded.numel() * padded.element_size())
     sizes = [max(0, min(chunk, full_rows - r * chunk)) for r in range(world)]
     whole = torch.cat([g[:, :s] for g, s in zip(gathered, sizes)], dim=1)
-    q = householder_basis(whole, full_cols)
+    q = torch.linalg.qr(whole).Q
     return q[:, rank * chunk : rank * chunk + p.shape[1]]
 
 
@@ -71,16 +70,15 @@ def sharded_low_rank_factors(
     def reduce_gram(gram: Tensor) -> Tensor:
         return all_reduce(gram, rows_group, stats, "sum")
 
-    n = full_cols if full_cols is not None else momenta[0].shape[1]  # B's whole width
     q1, ok1 = cholesky_qr_pass(p, reduce_gram)
     q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q1), reduce_gram, second=True)
     if sync_free:
-        fallback = _householder_rows(p, rows_group, full_rows, n, stats)
+        fallback = _householder_rows(p, rows_group, full_rows, stats)
         q2 = torch.where((ok1 & ok2)[:, None, None], q2, fallback)
     elif not bool((ok1 & ok2).all()):
         bad = (~(ok1 & ok2)).nonzero().flatten()
         q2 = q2.clone()
-        q2[bad] = _householder_rows(p[bad], rows_group, full_rows, n, stats)
+        q2[bad] = _householder_rows(p[bad], rows_group, full_rows, stats)
     r = torch.stack([b.to(work).mT @ pi for b, pi in zip(momenta, q2)])
     r = all_reduce(r, rows_group, stats, "sum")
     if cols_group is not None:

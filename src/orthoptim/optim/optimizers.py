@@ -137,12 +137,11 @@ class Dion(OrthonormalOptimizer):
     """Dion: rank-r orthonormal updates (r = ceil(rank_fraction·min(m, n))) by one step of power
     iteration per optimizer step, with error feedback of what the low-rank update leaves out.
 
-    Where B has rank below r (a zero gradient on the first step, an expert without tokens, a batch
-    of a few samples), the columns of P past B's numerical rank would be rounding noise, which column
-    normalization would blow up to unit size in the update; they are dropped instead
-    (``orthogonalize.power_iteration.householder_basis``), and a column of ``R = BᵀP`` that is zero
-    keeps its column of Q for the next step. (In bf16 parameters B Q is rounded to bf16, above that
-    cut: there the published rule's behaviour stays.)
+    A column of ``R = BᵀP`` that is zero (all of B zero: a zero gradient on the first step, an expert
+    without tokens) keeps its column of Q. The rule assumes B has rank ≥ r: beyond B's rank, P's
+    columns are rounding noise and column normalization makes their R columns unit-norm, as in the
+    published rule, so for a momentum of rank below r (a batch of a few samples) the update can have
+    singular values above 1 in directions set by rounding; a smaller ``rank_fraction`` avoids it.
 
     ``outer_shard_mesh`` (FSDP2) and ``inner_shard_mesh`` (tensor parallelism): the 1-D meshes that
     shard parameters, along rows (``Shard(0)``) or columns (``Shard(1)``), one dim each; both at once

@@ -39,33 +39,7 @@ def cholesky_qr_pass(p: Tensor, reduce_gram: Callable[[Tensor], Tensor] | None =
     return q, ok
 
 
-# The numerical-rank cut of householder_basis, in units of (m + n)·ε·max|R_ii| for P = B Q with B m×n:
-# the rounding of B Q's columns beyond B's rank measured up to 0.3 of one unit (fp32, 5×7 to 2048×512,
-# rank-deficient B of 1e3 condition), so 8 keeps them below the cut with room, and cuts a real direction
-# only where it is ~1e-3 of the largest or less at 1024×1024, i.e. known to a few percent at best.
-RANK_CUT = 8.0
-
-
-def householder_basis(p: Tensor, inner: int | None = None) -> Tensor:
-    """Householder QR's Q of every matrix in ``p`` ([B, m, r]), with the columns past p's numerical
-    rank set to zero (``inner``: the n of P = B Q with B m×n, which the rounding of P grows with).
-
-    Where P = B Q has rank s < r (B of rank below r: a zero gradient, a batch of a few samples), QR's
-    last r − s columns are an arbitrary completion, orthogonal to B's range only up to round-off;
-    R = Bᵀ P is then rounding noise in those columns, which Dion's column normalization would scale to
-    unit size, into the update (singular values above 1 along directions set by rounding). A column
-    whose |R_jj| is at most ``RANK_CUT``·(m + n)·ε·max|R_ii| (ε of the QR's dtype) is dropped: its R
-    column is then exactly 0, and Dion keeps that column of Q for the next step.
-    """
-    q, r = torch.linalg.qr(p)
-    diag = r.diagonal(dim1=-2, dim2=-1).abs()
-    m = p.shape[-2]
-    cut = RANK_CUT * (m + (m if inner is None else inner)) * torch.finfo(p.dtype).eps * diag.amax(-1, keepdim=True)
-    return q * (diag > cut).to(q.dtype).unsqueeze(-2)
-
-
-def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr", sync_free: bool = False,
-                           drop_beyond_rank: int | None = None) -> Tensor:
+def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr", sync_free: bool = False) -> Tensor:
     """Orthonormal basis of the column space of every matrix in ``p`` ([B, m, r], r ≤ m).
 
     ``"cholesky_qr"`` (default): two Cholesky-QR passes (CholeskyQR2: two r×r Cholesky solves,
@@ -73,26 +47,21 @@ def orthonormalize_columns(p: Tensor, method: str = "cholesky_qr", sync_free: bo
     Cholesky factor is not finite or too ill-conditioned. ``"qr"``: Householder QR always.
     ``sync_free``: pick the fallback per matrix on the device (Householder QR is then computed for
     every matrix) instead of reading the verdict back to the host: for captured CUDA graphs.
-    ``drop_beyond_rank``: for P = B Q, B's n: Householder's columns past P's numerical rank come
-    back zero (``householder_basis``; Dion). CholeskyQR2 is trusted only where P is well conditioned, so a
-    rank-deficient P always takes Householder.
     """
     if method not in ("cholesky_qr", "qr"):
         raise ValueError(f"method={method!r} is not supported; use 'cholesky_qr' or 'qr'")
     work = p if p.dtype in (torch.float32, torch.float64) else p.float()
-    householder = (lambda t: torch.linalg.qr(t).Q) if drop_beyond_rank is None else \
-        (lambda t: householder_basis(t, drop_beyond_rank))
     if method == "qr":
-        return householder(work).to(p.dtype)
+        return torch.linalg.qr(work).Q.to(p.dtype)
     q, ok = cholesky_qr_pass(work)
     q2, ok2 = cholesky_qr_pass(torch.nan_to_num(q), second=True)
     ok = ok & ok2 & torch.isfinite(q2).flatten(1).all(-1)
     if sync_free:
-        return torch.where(ok[:, None, None], q2, householder(work)).to(p.dtype)
+        return torch.where(ok[:, None, None], q2, torch.linalg.qr(work).Q).to(p.dtype)
     if not bool(ok.all()):
         bad = (~ok).nonzero().flatten()
         q2 = q2.clone()
-        q2[bad] = householder(work[bad])
+        q2[bad] = torch.linalg.qr(work[bad]).Q
     return q2.to(p.dtype)
 
 

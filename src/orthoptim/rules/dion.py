@@ -25,8 +25,7 @@ def low_rank_factors(momenta: list[Tensor], right_factors: list[Tensor], qr_meth
     compute a share of the batch and gather the rest in one collective. ``sync_free``: see
     ``orthonormalize_columns``.
     """
-    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method, sync_free,
-                               drop_beyond_rank=momenta[0].shape[1])
+    p = orthonormalize_columns(torch.stack([b @ q for b, q in zip(momenta, right_factors)]), qr_method, sync_free)
     r = torch.stack([b.mT @ pi for b, pi in zip(momenta, p)])
     return torch.cat([p, r], dim=-2)
 
