@@ -330,3 +330,12 @@ def test_muon_hands_its_named_iteration_a_bf16_batch(monkeypatch):
     seen.clear()
     _run("muon", monkeypatch, "float32")
     assert seen and set(seen) == {torch.float32}
+
+
+@pytest.mark.parametrize("restarts", [(0,), (9,), (0, 5)])
+def test_fp16_gram_with_restarts_that_restart_nothing_warns_too(restarts):
+    """A restart before iteration 0 or past the last one is no restart: NaN on a rank-1 input as ()."""
+    x = torch.outer(torch.randn(8, generator=torch.Generator().manual_seed(1)),
+                    torch.randn(64, generator=torch.Generator().manual_seed(2)))[None]
+    with pytest.warns(RuntimeWarning, match="runs Gram Newton-Schulz in torch.float16"):
+        gram_newton_schulz(x, dtype=torch.float16, restarts=restarts)

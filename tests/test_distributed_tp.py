@@ -113,8 +113,9 @@ def test_column_sharded_dion3_dion2_on_4_ranks():
 def _gradients_in_other_placements(rank: int, world: int) -> dict:
     """Replicated weights under a batch-sharded input get Partial(sum) gradients from DTensor autograd
     (sequence parallelism's norms, for one); a row-sharded weight can be handed a column-sharded
-    gradient. Each rank's block of such a gradient is not the block of the gradient the step reads:
-    the step used partial sums (replicas drifted apart) and misread the columns."""
+    gradient. Each rank's block of such a gradient is not the block the step reads: the step used
+    partial sums (AdamW replicas drifted apart) and misread the columns. Now refused on every rank,
+    before anything changes; laid out as the parameters, the step is one process's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -131,16 +132,31 @@ def _gradients_in_other_placements(rank: int, world: int) -> dict:
     b = nn.Parameter(distribute_tensor(b0.clone(), mesh, [Replicate()]))
     v = nn.Parameter(distribute_tensor(v0.clone(), mesh, [Shard(0)]))
     ((distribute_tensor(x0, mesh, [Shard(0)]) @ w + b) ** 2).sum().backward()
-    partial = str(w.grad.placements)
-    v.grad = distribute_tensor(gv.clone(), mesh, [Shard(1)])
+    result = {"partial": str(w.grad.placements)}
     opt = orthoptim.Dion3(groups(w, b, v), lr=0.1, distributed_mesh=mesh)
+    v.grad = distribute_tensor(gv.clone(), mesh, [Shard(0)])
+    try:
+        opt.step()
+        result["partial_error"] = "stepped"
+    except ValueError as e:
+        result["partial_error"] = str(e)
+    for p in (w, b):
+        p.grad = p.grad.redistribute(mesh, p.placements)
+    v.grad = distribute_tensor(gv.clone(), mesh, [Shard(1)])
+    try:
+        opt.step()
+        result["column_error"] = "stepped"
+    except ValueError as e:
+        result["column_error"] = str(e)
+    result["unchanged"] = bool(torch.equal(w.to_local(), w0) and torch.equal(v.full_tensor(), v0))
+    v.grad = v.grad.redistribute(mesh, v.placements)
     opt.step()
     ws, bs, vs = nn.Parameter(w0.clone()), nn.Parameter(b0.clone()), nn.Parameter(v0.clone())
     ((x0 @ ws + bs) ** 2).sum().backward()
     vs.grad = gv.clone()
     orthoptim.Dion3(groups(ws, bs, vs), lr=0.1).step()
-    result = {"partial": partial, "w": _rel(w.to_local(), ws), "b": _rel(b.to_local(), bs), "v": _rel(_full(v), vs)}
-    v.grad = gv.clone()  # a plain tensor: there is no layout to redistribute from
+    result.update(w=_rel(w.to_local(), ws), b=_rel(b.to_local(), bs), v=_rel(_full(v), vs))
+    v.grad = gv.clone()  # a plain tensor
     try:
         opt.step()
         result["plain"] = "stepped"
@@ -149,8 +165,12 @@ def _gradients_in_other_placements(rank: int, world: int) -> dict:
     return result
 
 
-def test_gradients_in_other_placements_are_redistributed_to_the_parameters():
+def test_gradients_in_other_placements_are_refused_on_every_rank():
     for result in run_distributed(_gradients_in_other_placements, 3, timeout=120):
         assert "Partial" in result["partial"]  # what the case is about
+        assert "(Replicate(),) but its gradient (Partial(sum),)" in result["partial_error"], result["partial_error"]
+        assert "p.grad.redistribute(p.device_mesh, p.placements)" in result["partial_error"]
+        assert "(Shard(dim=0),) but its gradient (Shard(dim=1),)" in result["column_error"], result["column_error"]
+        assert result["unchanged"]
         assert max(result["w"], result["b"], result["v"]) <= 1e-6, result
         assert "is a DTensor but its gradient is a plain tensor" in result["plain"], result["plain"]

@@ -97,3 +97,5 @@ def test_the_blocked_cpu_decay_and_update_equal_the_two_passes(monkeypatch, upda
     for x, e in zip(xs, expected):
         assert torch.equal(x, e)
     assert not wd._blocked_on_cpu([xs[0].t()], updates[:1].mT, 0.05, 0.05)  # views take the two passes
+    # an update of another shape is not paired element by element: the two passes' error stands
+    assert not wd._blocked_on_cpu([torch.zeros(4, 6)], torch.zeros(1, 6, 4), 0.05, 0.05)

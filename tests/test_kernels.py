@@ -417,3 +417,10 @@ def test_a_zero_row_with_a_tiny_epsilon_keeps_the_dion3_update_finite():
     row = int(index[0, 1])
     torch.testing.assert_close(params[0][row], expected[0][row] * (1 - HYPER["lr"] * HYPER["weight_decay"]))
     assert not torch.equal(params[0][int(index[0, 0])], expected[0][int(index[0, 0])])
+
+
+def test_a_zero_row_with_an_epsilon_near_the_fp32_floor_gets_a_zero_factor():
+    """ratio/ε overflows to inf for ε ≲ 1e-41, and a zero row's 0·inf would be NaN."""
+    sumsq = torch.tensor([[1.0, 0.0]])
+    scale, _ = torch_backend.normalized_row_scale(sumsq, torch.zeros(1, 2), 4, 0.95, 1e-44)
+    assert torch.isfinite(scale).all() and scale[0, 1] == 0 and scale[0, 0] > 0

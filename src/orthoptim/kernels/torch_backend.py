@@ -47,8 +47,10 @@ def normalized_row_scale(sumsq: Tensor, v: Tensor, n: int, beta2: float, eps: fl
     # Divided twice rather than by d²: with a tiny ε (1e-23) a zero row's d² underflows to 0, and 0/0
     # would be NaN in every row of the matrix after the rescale; (0/d)/d is 0.
     norm_hat = (sumsq / d / d).sum(-1, keepdim=True).sqrt()
-    # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0.
-    return norm_o / norm_hat.clamp_min(torch.finfo(sumsq.dtype).tiny) / d, v_new
+    # ‖O‖/‖Ô‖; Ô = 0 only when O = 0, where the clamp keeps 0/0 at 0. A zero row's factor is 0: with
+    # ε ≲ 1e-41 ratio/ε overflows, and 0·inf would be NaN.
+    scale = norm_o / norm_hat.clamp_min(torch.finfo(sumsq.dtype).tiny) / d
+    return torch.where(sumsq > 0, scale, 0.0), v_new
 
 
 def dion3_post_update(

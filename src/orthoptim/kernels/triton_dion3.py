@@ -93,7 +93,9 @@ def _row_coefficient_kernel(
         v = tl.load(v_ptr + base + r0 + offs, mask=ok, other=0.0)
         mean = tl.div_rn(s, n)
         v_new = mean + beta2 * (v - mean)  # recomputed: no read-after-write across threads
-        tl.store(coef_ptr + base + r0 + offs, tl.div_rn(-step * ratio, tl.sqrt_rn(v_new) + eps), mask=ok)
+        coef = tl.div_rn(-step * ratio, tl.sqrt_rn(v_new) + eps)
+        # A zero row's factor is 0: with ε ≲ 1e-41 ratio/ε overflows, and 0·inf would be NaN (torch_backend).
+        tl.store(coef_ptr + base + r0 + offs, tl.where(s > 0, coef, 0.0), mask=ok)
 
 
 @triton.jit

@@ -59,23 +59,37 @@ class GradientChecks:
         self._beyond_meshes: dict[Tensor, bool] = {}
         self._checksums: tuple[tuple, Tensor] | None = None  # see _options_checksum
 
-    def _grad_laid_out_as_parameter(self, p: Tensor) -> None:
-        """A DTensor parameter's gradient in the parameter's placements: the step reads each rank's block
-        of both as the same rows and columns. A ``Partial`` gradient (a replicated weight under tensor or
-        sequence parallelism) is a sum still to be taken, and a gradient sharded another way holds the
-        same values laid out otherwise: both are redistributed here (DTensor autograd gives every rank
-        its gradient, so every rank takes part in the same order)."""
-        g, name = p.grad, self.param_name(p)
-        if not (isinstance(p, DTensor) and isinstance(g, DTensor)):
-            kinds = ["a DTensor" if isinstance(t, DTensor) else "a plain tensor" for t in (p, g)]
-            raise ValueError(f"parameter {name} is {kinds[0]} but its gradient is {kinds[1]}; give it a gradient "
-                             "of the same kind (as autograd does), e.g. distribute_tensor(grad, p.device_mesh, "
-                             "p.placements) or grad.full_tensor()")
-        if g.device_mesh != p.device_mesh:
-            raise ValueError(f"parameter {name} lives on {p.device_mesh} but its gradient on {g.device_mesh}; "
-                             "give it a gradient on the parameter's mesh")
-        if tuple(g.placements) != tuple(p.placements):
-            p.grad = g.redistribute(p.device_mesh, p.placements)
+    def _check_grad_placements(self, params: list[Tensor]) -> None:
+        """A DTensor parameter's gradient must be laid out as the parameter: the step reads each rank's
+        block of both as the same rows and columns. Checked once every rank agrees which parameters have
+        gradients (DTensor metadata is global, so then every rank raises alike, and none is left in a
+        collective). A ``Partial`` gradient over ``replicate_mesh`` is each replica's own gradient, as
+        Dion's compressed sync wants it; elsewhere (a replicated weight under a batch-sharded input)
+        it is a sum still to be taken, which the caller must take, as also a gradient sharded another way."""
+        replicas = tuple(dist.get_process_group_ranks(self._replicate_group)) if self._replicate_group else None
+        for p in params:
+            g = p.grad
+            if not (isinstance(p, DTensor) or isinstance(g, DTensor)):
+                continue
+            name = self.param_name(p)
+            if not (isinstance(p, DTensor) and isinstance(g, DTensor)):
+                kinds = ["a DTensor" if isinstance(t, DTensor) else "a plain tensor" for t in (p, g)]
+                raise ValueError(f"parameter {name} is {kinds[0]} but its gradient is {kinds[1]}; give it a "
+                                 "gradient of the same kind (as autograd does), e.g. distribute_tensor(grad, "
+                                 "p.device_mesh, p.placements); no parameter or state was changed")
+            if g.device_mesh != p.device_mesh:
+                raise ValueError(f"parameter {name} lives on {p.device_mesh} but its gradient on {g.device_mesh}; "
+                                 "give it a gradient on the parameter's mesh; no parameter or state was changed")
+            for dim, (mine, theirs) in enumerate(zip(p.placements, g.placements)):
+                if mine == theirs or p.device_mesh.size(dim) == 1 or (replicas is not None and tuple(
+                        dist.get_process_group_ranks(p.device_mesh.get_group(dim))) == replicas):
+                    continue  # one rank on that dim: every placement is the whole tensor
+                raise ValueError(
+                    f"parameter {name} has placements {tuple(p.placements)} but its gradient "
+                    f"{tuple(g.placements)} (a Partial gradient is a sum still to be taken, e.g. of a "
+                    "replicated weight whose input is sharded over the batch); lay it out as the parameter "
+                    "before the step: p.grad = p.grad.redistribute(p.device_mesh, p.placements); no "
+                    "parameter or state was changed")
 
     def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],
                 verdict_groups: list[dist.ProcessGroup]) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -95,8 +109,6 @@ class GradientChecks:
                     f"parameter {self.param_name(p)} has shape {tuple(p.shape)} but its gradient has "
                     f"shape {tuple(p.grad.shape)}"
                 )
-            if isinstance(p, DTensor) or isinstance(p.grad, DTensor):
-                self._grad_laid_out_as_parameter(p)
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [local_tensor(p.grad) for p in params]
         # A rank whose parameters have no gradients this step still takes part in the verdict.
@@ -253,6 +265,7 @@ class GradientChecks:
             # steps before a capture have checked the same set of parameters).
             if mixed is not None and not capturing() and bool(mixed.any()):
                 self._raise_if_mixed(mixed)
+            self._check_grad_placements(params)
             bad = ~(finite & fits)
             # One pair of buffers per set of parameters with gradients, the same every step: a captured
             # graph writes the ones check_nonfinite reads, also when eager steps run in between. OR-ed
@@ -299,6 +312,7 @@ class GradientChecks:
         all_ok, any_mixed = torch.stack([ok.all(), mixed.any() if mixed is not None else ok.new_zeros(())]).tolist()
         if any_mixed:
             self._raise_if_mixed(mixed)
+        self._check_grad_placements(params)
         if all_ok:
             return work
         reasons = {  # gradient finite? → (what is wrong, how to fix it)

@@ -72,7 +72,8 @@ def gram_newton_schulz_factors(
     k, n = batch.shape[-2:]
     if k == n or standard:  # in Gram NS's working dtype (fp16 on CUDA), not standard NS's (bf16 there)
         return newton_schulz_factors(x, coeffs, dtype=work, eps=eps)
-    if restarts is not None and (work == torch.bfloat16 or (work == torch.float16 and not restart_at)):
+    effective = {i for i in restart_at if 0 < i < len(coeffs)}  # before iteration 0, or past the last: no-ops
+    if restarts is not None and (work == torch.bfloat16 or (work == torch.float16 and not effective)):
         warnings.warn(
             f"gram_newton_schulz: restarts={tuple(restarts)} runs Gram Newton-Schulz in {work}, where it can "
             "diverge (largest singular values of 1e10 and NaN on low-rank or spiked inputs; docs/kernels.md, "
