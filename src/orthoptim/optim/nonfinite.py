@@ -81,9 +81,11 @@ class GradientChecks:
                 raise ValueError(f"parameter {name} lives on {p.device_mesh} but its gradient on {g.device_mesh}; "
                                  "give it a gradient on the parameter's mesh; no parameter or state was changed")
             for dim, (mine, theirs) in enumerate(zip(p.placements, g.placements)):
-                if mine == theirs or p.device_mesh.size(dim) == 1 or (replicas is not None and tuple(
-                        dist.get_process_group_ranks(p.device_mesh.get_group(dim))) == replicas):
+                if mine == theirs or p.device_mesh.size(dim) == 1:
                     continue  # one rank on that dim: every placement is the whole tensor
+                if isinstance(mine, Replicate) and theirs.is_partial() and replicas is not None and tuple(
+                        dist.get_process_group_ranks(p.device_mesh.get_group(dim))) == replicas:
+                    continue  # each replica's own gradient, which compressed sync reduces
                 raise ValueError(
                     f"parameter {name} has placements {tuple(p.placements)} but its gradient "
                     f"{tuple(g.placements)} (a Partial gradient is a sum still to be taken, e.g. of a "
