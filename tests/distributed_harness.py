@@ -36,6 +36,16 @@ needs_cpu_hsdp = pytest.mark.skipif(torch.__version__ < CPU_HSDP_MIN_TORCH,
                                     reason=f"FSDP2 HSDP over gloo (CPU) needs torch >= {CPU_HSDP_MIN_TORCH}")
 
 
+def value_error(fn: Callable[[], Any]) -> str:
+    """The message of the ValueError that ``fn()`` raises on this rank, or "no error": what a test of
+    a refusal sends back from every rank, to check that all refuse alike."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,7 @@ from torch import nn
 
 import orthoptim
 from orthoptim.distributed import CommStats
-from tests.distributed_harness import needs_cpu_hsdp, run_distributed
+from tests.distributed_harness import needs_cpu_hsdp, run_distributed, value_error
 
 REL_TOL = 1e-5  # fp32 Newton-Schulz: same math, different batch composition on the owner rank
 STEPS = 3
@@ -311,21 +311,12 @@ def test_bf16_row_shards_of_odd_width_match_one_process(world):
             assert weights <= 0.01 and variance <= 0.01, (key, weights, variance)
 
 
-def _construction_error(build) -> str:
-    """The message of the ValueError that building an optimizer raises on this rank."""
-    try:
-        build()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _without_mesh(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     p = nn.Parameter(distribute_tensor(torch.randn(8, 12), init_device_mesh("cpu", (world,)), [Shard(0)]))
-    return _construction_error(lambda: orthoptim.Dion3([{"params": [("blocks.0.attn.weight", p)]}]))
+    return value_error(lambda: orthoptim.Dion3([{"params": [("blocks.0.attn.weight", p)]}]))
 
 
 def _transposed_row_shards(rank: int, world: int) -> str:
@@ -334,7 +325,7 @@ def _transposed_row_shards(rank: int, world: int) -> str:
 
     mesh = init_device_mesh("cpu", (world,))
     p = nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, [Shard(0)]))
-    return _construction_error(lambda: orthoptim.Muon([{"params": [("h.0.mlp.c_fc.weight", p)], "transpose": True}],
+    return value_error(lambda: orthoptim.Muon([{"params": [("h.0.mlp.c_fc.weight", p)], "transpose": True}],
                                                       distributed_mesh=mesh))
 
 
@@ -356,7 +347,7 @@ def _mesh_out_of_order(rank: int, world: int, name: str, dim: int) -> str:
     torch.manual_seed(0)
     p = nn.Parameter(distribute_tensor(torch.randn(3, 8) if dim == 0 else torch.randn(8, 3), mesh, [Shard(dim)]))
     cls = {"dion3": orthoptim.Dion3, "muon": orthoptim.Muon, "dion": orthoptim.Dion}[name]
-    return _construction_error(lambda: cls([{"params": [("blocks.0.attn.weight", p)]}], distributed_mesh=mesh))
+    return value_error(lambda: cls([{"params": [("blocks.0.attn.weight", p)]}], distributed_mesh=mesh))
 
 
 @pytest.mark.parametrize(("name", "dim", "world"), [("dion3", 1, 2), ("muon", 0, 2), ("dion", 0, 2), ("dion3", 0, 4)])
@@ -378,7 +369,7 @@ def _wrong_sub_mesh(rank: int, world: int) -> str:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     p = nn.Parameter(distribute_tensor(torch.randn(8, 12), mesh, [Replicate(), Shard(0)]))
-    return _construction_error(lambda: orthoptim.Muon([{"params": [("blocks.0.attn.weight", p)]}],
+    return value_error(lambda: orthoptim.Muon([{"params": [("blocks.0.attn.weight", p)]}],
                                                       distributed_mesh=mesh["replicate"]))
 
 
@@ -591,11 +582,7 @@ def _user_orthogonalizer_failures(rank: int, world: int) -> dict:
         opt = orthoptim.Muon([("w", sharded)], orthogonalizer=_bad_shape, distributed_mesh=mesh,
                              capturable=capturable)
         sharded.grad = distribute_tensor(torch.randn(8, 16), mesh, [Shard(0)])
-        try:
-            opt.step()
-            out[("fsdp_owner", capturable)] = "no error"
-        except ValueError as e:
-            out[("fsdp_owner", capturable)] = str(e)
+        out[("fsdp_owner", capturable)] = value_error(opt.step)
     return out
 
 
@@ -653,11 +640,7 @@ def _uneven_blocks(rank: int, world: int) -> dict:
         shape = (8, 6) if dim == 0 else (6, 8)
         p = nn.Parameter(DTensor.from_local(local, mesh, [Shard(dim)], shape=torch.Size(shape),
                                             stride=(shape[1], 1)))
-        try:
-            orthoptim.Dion3([("w", p)], distributed_mesh=mesh)
-            out[dim] = "no error"
-        except ValueError as e:
-            out[dim] = str(e)
+        out[dim] = value_error(partial(orthoptim.Dion3, [("w", p)], distributed_mesh=mesh))
     return out
 
 
@@ -792,11 +775,7 @@ def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
         opt = build(p)
         before = p.full_tensor().clone()
         p.grad = distribute_tensor(torch.randn(16, 12, generator=gen), mesh, [Shard(0)])
-        try:
-            opt.step()
-            message = "no error"
-        except ValueError as e:
-            message = str(e)
+        message = value_error(opt.step)
         out.append((name, message, torch.equal(p.full_tensor(), before)))
     # The same options built separately on each rank are not "different", nor is a key of the user's
     # whose repr differs by process (a set of strings: hash order) or a per-rank lr.

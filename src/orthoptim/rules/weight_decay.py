@@ -83,9 +83,8 @@ def decay_and_apply_(params: list[Tensor], updates: Tensor, lr: LearningRate, we
 def _blocked_on_cpu(params: list[Tensor], updates: Tensor, lr: LearningRate, step_size: LearningRate) -> bool:
     return (CPU_BLOCK_ELEMENTS > 0 and updates.device.type == "cpu" and not isinstance(lr, Tensor)
             and not isinstance(step_size, Tensor) and updates.is_contiguous()
-            and all(tuple(x.shape) == tuple(updates.shape[1:]) for x in params)
             and torch.promote_types(updates.dtype, params[0].dtype) == params[0].dtype
-            and all(x.is_contiguous() for x in params))
+            and all(x.is_contiguous() and x.shape == updates.shape[1:] for x in params))
 
 
 def _decay_and_apply_blocks_(params: list[Tensor], updates: Tensor, decay: float, step_size: float) -> None:
