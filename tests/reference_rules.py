@@ -131,8 +131,9 @@ def dion(x, g, m, q, *, lr, wd, mu, eps, s):
     p = torch.linalg.qr(b @ q, mode="reduced").Q
     r = b.T @ p
     m = b - (1 - mu) * p @ r.T
-    q = r / (r.norm(dim=0, keepdim=True) + eps)
-    x = x * (1 - lr * wd) - lr * s * p @ q.T
+    q_new = r / (r.norm(dim=0, keepdim=True) + eps)
+    x = x * (1 - lr * wd) - lr * s * p @ q_new.T
+    q = torch.where((r == 0).all(dim=0, keepdim=True), q, q_new)  # a zero column of R keeps Q's
     return x, m, q, p, r
 
 

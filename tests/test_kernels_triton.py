@@ -101,6 +101,21 @@ def test_gram(tk, shape, dtype):
     _check_product(tk.sym.gram(x.to(DEVICE), block=16, block_k=16), exact, dtype)
 
 
+def test_bf16_results_round_ties_to_even(tk):
+    """Rows whose squared norms fall exactly halfway between two bf16 numbers: 1 + 2⁻⁸ (even side
+    below: 1) and 1 + 3·2⁻⁸ (even side above: 1 + 2⁻⁶). Rounded as torch rounds, to nearest even
+    (the interpreter's own conversion truncates; rounding half up or down would miss one of them)."""
+    x = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    x[0, :, 0] = 1.0
+    x[0, 0, 1] = 2.0**-4
+    x[0, 1, 1:4] = 2.0**-4
+    exact = x.to(F64) @ x.to(F64).mT  # fp32 holds these sums exactly
+    assert exact[0, 0, 0].item() == 1 + 2.0**-8 and exact[0, 1, 1].item() == 1 + 3 * 2.0**-8
+    out = tk.sym.gram(x.to(DEVICE), block=16, block_k=16).cpu()
+    assert torch.equal(out, exact.to(torch.bfloat16))
+    assert out[0, 0, 0].item() == 1.0 and out[0, 1, 1].item() == 1 + 2.0**-6
+
+
 def test_gram_strided_input(tk):
     """A transposed (column-major) batch is read through its strides."""
     x = torch.randn(2, 40, 27, generator=_gen("strided"), dtype=F64)
