@@ -1,5 +1,6 @@
 """An optimizer inside the tools of a real training loop: ``torch.compile`` (of the step alone and of a
-whole training step) and copies (``copy.deepcopy``, ``pickle``) continue exactly as the eager original."""
+whole training step), a step inside a ``torch.autocast`` block, and copies (``copy.deepcopy``,
+``pickle``) continue exactly as the eager original."""
 
 from __future__ import annotations
 
@@ -68,6 +69,30 @@ def test_compiled_training_step_equals_eager():
 
     for a, b in zip(train(False), train(True), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_a_step_inside_autocast_is_the_step_outside(name):
+    """opt.step() inside the autocast block of the forward pass: autocast rounded the products of the
+    (here fp32) iterations to bf16, and Dion's in-place error feedback then met a bf16 P and raised
+    half-way through the step. The closure still runs under the caller's autocast."""
+    outside_params, outside = _two_shapes(name)
+    inside_params, inside = _two_shapes(name)
+    seen = []
+
+    def closure() -> torch.Tensor:
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return torch.zeros(())
+
+    for t in range(3):
+        _step_with(outside_params, outside.step, t)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _step_with(inside_params, lambda: inside.step(closure), t)
+    assert seen == [True] * 3
+    for a, b in zip(outside_params, inside_params, strict=True):
+        assert torch.equal(a, b)
+        for key, value in outside.state[a].items():
+            assert torch.equal(value, inside.state[b][key]), key
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])

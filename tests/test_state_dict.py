@@ -133,6 +133,29 @@ def test_save_load_continues_bit_identically(name, scalar_algorithm):
     assert not same_params(model_a, model_c)
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_save_load_continues_bit_identically_under_a_float64_default_dtype(capturable):
+    """AdamW's step counts are fp32 whatever the default dtype: made under torch.set_default_dtype(
+    torch.float64) they were fp64, load_state_dict restored capturable ones as fp32, and the resumed
+    run differed (1e-7)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model_a = make_model()
+        opt_a = orthoptim.Muon(orthoptim.param_groups(model_a), lr=0.02, capturable=capturable)
+        run(model_a, opt_a, range(STEPS_BEFORE))
+        model_b = fresh_copy(model_a)
+        opt_b = orthoptim.Muon(orthoptim.param_groups(model_b), lr=0.02, capturable=capturable)
+        opt_b.load_state_dict(roundtrip(opt_a.state_dict()))
+        run(model_a, opt_a, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+        run(model_b, opt_b, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    finally:
+        torch.set_default_dtype(old)
+    assert_same_state(opt_a, model_a, opt_b, model_b)
+    assert same_params(model_a, model_b)
+    assert {s["step"].dtype for s in opt_a.state.values() if "step" in s} == {torch.float32}
+
+
 def test_save_load_with_scheduler_continues_bit_identically():
     """The scheduled lr lives in the param groups: it must come back with the checkpoint."""
     model_a = make_model()

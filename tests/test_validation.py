@@ -604,6 +604,22 @@ def test_a_tensor_lr_filled_with_a_bad_value_is_refused_before_the_step(value, f
     opt.step()
 
 
+@pytest.mark.parametrize("name", ["dion", "muon"])
+@pytest.mark.parametrize("lr", [torch.tensor([0.02]), torch.tensor(1)], ids=["1-d", "integer"])
+def test_a_tensor_lr_that_is_not_a_0_dim_float_is_refused_at_step_time_as_at_construction(name, lr):
+    """A one-element 1-D tensor set after construction was read as a number by the step-time check,
+    then the matrix rule raised after the AdamW group had stepped."""
+    model, opt = live_optimizer(name)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    set_grads(model, 1)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, "param group 0 (at step time)", "0-dim floating-point tensor"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+    assert f"{float(lr):.3g}" in orthoptim.explain(opt)  # formatted as a number (a 1-D tensor raised)
+
+
 @pytest.mark.parametrize(("name", "group", "edit", "fragments"), [
     ("dion3", 2, {"num_heads": 3}, ["conv.weight", "num_heads=3"]),
     ("dion3", 2, {"split_sizes": [1, 2]}, ["conv.weight", "split_sizes=[1, 2]"]),

@@ -261,6 +261,11 @@ def _state_bytes(state: Mapping[str, Any]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, Tensor) and v.ndim > 0)
 
 
+def _number(value: Any) -> Any:
+    """A tensor learning rate as a number (torch's optimizers also take one-element 1-D tensors)."""
+    return float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
 def explain(optimizer: torch.optim.Optimizer) -> str:
     """A table with one row per parameter: name, shape, rule, matrix view, lr·scale, weight decay, state bytes."""
     header = ("parameter", "shape", "rule", "matrix view", "lr x scale", "wd", "state bytes")
@@ -277,7 +282,7 @@ def explain(optimizer: torch.optim.Optimizer) -> str:
             if isinstance(optimizer, OrthonormalOptimizer) and algorithm in MATRIX_ALGORITHMS:
                 view = optimizer._view(p, group)
                 scales = sorted({lr_scale(r, c, group["adjust_lr"]) for r, c in view.block_shapes()})
-                lr_text = ", ".join(f"{group['lr'] * s:.3g}" for s in scales)
+                lr_text = ", ".join(f"{_number(group['lr']) * s:.3g}" for s in scales)
                 view_text = view.describe()
                 rule = algorithm
                 if algorithm in ("dion3", "dion2"):
@@ -287,7 +292,7 @@ def explain(optimizer: torch.optim.Optimizer) -> str:
                                     for shape in view.block_shapes()})
                     rule += f" r={','.join(map(str, ranks))}"
             else:
-                lr_text, view_text, rule = f"{group['lr']:.3g}", "-", algorithm
+                lr_text, view_text, rule = f"{_number(group['lr']):.3g}", "-", algorithm
             rows.append((name, str(list(p.shape)), rule, view_text, lr_text, f"{group.get('weight_decay', 0):g}",
                          f"{state_bytes:,}"))
     rows.append(("total", "", "", "", "", "", f"{total:,}"))

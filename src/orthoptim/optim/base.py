@@ -10,6 +10,7 @@ callable, checked). This file holds what a step does with them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import warnings
@@ -106,6 +107,20 @@ class _Matrix:
 # when orthoptim is imported; torch.optim marks its own methods this way.
 _eager_under_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
+
+# Where torch.autocast can be on. A step called inside the autocast block of the forward pass would
+# have its products rounded to bf16/fp16 by autocast: the fp32 iterations silently in bf16, and Dion's
+# in-place error feedback then given mixed dtypes (raised half-way through the step).
+_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def _autocast_off() -> contextlib.ExitStack:
+    """A context in which every autocast that is on is off, as in a step called outside the block."""
+    stack = contextlib.ExitStack()
+    for device_type in _AUTOCAST_DEVICE_TYPES:
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 def _refuse_a_set(params: Any, what: str) -> None:
     """A set's order changes between runs, and with it the order of the state dict and Dion's initial factors."""
@@ -296,7 +311,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # steps); on a GPU, or in a capturable or compiled step, reading it would sync with the device
         # or break the graph, so there it is checked only when it is set.
         lr = group["lr"]
-        if isinstance(lr, Tensor):
+        if isinstance(lr, Tensor) and lr.ndim == 0 and lr.is_floating_point():  # others: refused below
             readable = lr.device.type == "cpu" and not self.capturable and not torch.compiler.is_compiling()
             lr = lr.item() if readable else 0.0
         validate_group({**group, "lr": lr}, where)
@@ -387,11 +402,18 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         """Perform one optimization step. Checks every group's options and every gradient first; on a
         bad option it raises, on a non-finite gradient it raises or skips that parameter, per
         ``nonfinite``; either way before any parameter or state has changed. Under ``torch.compile`` the
-        step runs eagerly."""
+        step runs eagerly. Inside a ``torch.autocast`` block the closure runs under it, the update
+        as outside it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with _autocast_off():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """The step after the closure: every check, then each group's update."""
         for index, group in enumerate(self.param_groups):
             # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
             # lr, a fraction above 1 or num_heads that do not divide the rows are refused here, before
@@ -416,7 +438,6 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._steps_since_replica_sync += 1
             if self._replica_sync_every is not None and self._steps_since_replica_sync >= self._replica_sync_every:
                 self.synchronize_replicas()
-        return loss
 
     def _stack_dtype(self, group: dict[str, Any], layout: str, momentum: Tensor) -> torch.dtype | None:
         """The dtype Muon stacks its batch in (None: the momentum's). Single process with a named

@@ -103,8 +103,9 @@ class StateKeeping:
         if algorithm == "adamw":
             # Capturable: the step count lives on the device, so the bias correction is read there.
             step_device = local_tensor(p).device if self.capturable else "cpu"
-            needed = {"step": lambda: torch.tensor(0.0, device=step_device), "exp_avg": lambda: torch.zeros_like(p),
-                      "exp_avg_sq": lambda: torch.zeros_like(p)}
+            # fp32 whatever the default dtype: the dtype torch's fused kernel takes and load_state_dict restores.
+            needed = {"step": lambda: torch.tensor(0.0, dtype=torch.float32, device=step_device),
+                      "exp_avg": lambda: torch.zeros_like(p), "exp_avg_sq": lambda: torch.zeros_like(p)}
         elif algorithm == "lion":
             needed = {"exp_avg": lambda: torch.zeros_like(p)}
         else:

@@ -57,6 +57,9 @@ def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     if key == "lr" and isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
         value = float(value)  # a tensor learning rate (capturable steps); read once, at construction
     # numbers.Real admits NumPy scalars (np.float32 is no Python float); bools are refused.
+    if key == "lr" and isinstance(value, torch.Tensor):
+        raise ValueError(f"lr={value!r} in {where} must be a finite number or a 0-dim floating-point tensor "
+                         f"(torch.tensor(0.02)), not a tensor of shape {tuple(value.shape)} and dtype {value.dtype}")
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{key}={value!r} in {where} must be a finite number")
     return float(value)

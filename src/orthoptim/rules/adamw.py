@@ -49,7 +49,8 @@ def adamw_update(
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1.0 - beta1**t) for t in counts])
         return
-    steps = step if isinstance(step, list) else [torch.tensor(float(step), device=p.device) for p in params]
+    steps = step if isinstance(step, list) else [torch.tensor(float(step), dtype=torch.float32, device=p.device)
+                                                 for p in params]
     # X ← X + m / d with d = (√v/√b₂ + ε)·(−b₁/lr): the step size folded into the denominator.
     bias1 = torch._foreach_pow(beta1, steps)
     torch._foreach_sub_(bias1, 1.0)  # −b₁ = β₁ᵗ − 1
