@@ -164,6 +164,28 @@ def test_symmetric_product_is_the_same_for_every_tile_size(tk):
     assert {c.kwargs["BLOCK_K"] for c in tk.sym._autotune_configs()} == {tk.sym.AUTOTUNE_BLOCK_K}
 
 
+AUTOTUNED_BLOCKS = [64, 128]
+
+
+@pytest.mark.parametrize("block", AUTOTUNED_BLOCKS)
+def test_the_autotuned_tile_shapes_on_ragged_sizes(tk, block):
+    """The tiles autotuning may pick on a GPU (64 or 128 rows, 64 deep), each on a size that ends
+    mid-tile in both directions, with a depth that ends mid-step: X Xᵀ, the transposed read of a tall
+    X (Xᵀ X), and a polynomial that reads C."""
+    assert sorted({c.kwargs["BLOCK"] for c in tk.sym._autotune_configs()}) == AUTOTUNED_BLOCKS
+    depth = tk.sym.AUTOTUNE_BLOCK_K
+    gen = _gen("autotuned", block)
+    k, n = block + 3, 2 * depth + 5
+    x = torch.randn(2, k, n, generator=gen, dtype=F64)
+    _check_product(tk.sym.gram(x.to(torch.float32).to(DEVICE), block=block, block_k=depth), x @ x.mT, torch.float32)
+    tall = torch.randn(2, n, k, generator=gen, dtype=F64)  # Xᵀ X: rows read with stride ≠ 1 along K
+    got = tk.sym.gram(tall.to(torch.float32).to(DEVICE).mT, block=block, block_k=depth)
+    _check_product(got, tall.mT @ tall, torch.float32)
+    r = _symmetric(2, k, gen) / k**0.5
+    got = tk.sym.symmetric_polynomial(r.to(torch.float32).to(DEVICE), 2.0, -1.5, 0.5, block=block, block_k=depth)
+    _check_product(got, 2 * torch.eye(k, dtype=F64) - 1.5 * r + 0.5 * r @ r, torch.float32)
+
+
 def test_larger_batches_than_one_grid_launch_in_chunks(tk, monkeypatch):
     """CUDA caps grid dimension 1 (the batch) at 65535: a larger batch runs in several launches."""
     monkeypatch.setattr(tk.sym, "MAX_GRID_BATCH", 2)
@@ -318,6 +340,24 @@ def test_dion3_post_update_kernel_ragged_index(tk, normalize, weight_decay):
         torch.testing.assert_close(x.cpu().to(F64), ref, rtol=1e-5, atol=1e-8)
         if normalize:
             torch.testing.assert_close(v_new[b, : len(index[b])].cpu().to(F64), exact_v[b], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(("batch", "m", "n", "k"), [(2, 70, 300, 40), (1, 1100, 8, 1030)])
+def test_dion3_post_update_kernel_with_the_gpus_tile_sizes(tk, monkeypatch, batch, m, n, k):
+    """The interpreter runs smaller tiles than a GPU; here the GPU's (32 rows, 128 columns, 1024 rows
+    of statistics), on sizes that end mid-tile: 3 column tiles, and more selected rows than one
+    statistics block."""
+    if INTERPRET:
+        monkeypatch.setattr(tk.dion3, "BLOCK_ROWS", 32)
+        monkeypatch.setattr(tk.dion3, "BLOCK_COLS", 128)
+        monkeypatch.setattr(tk.dion3, "STATS_BLOCK", 1024)
+    params, index, o, v = dion3_problem(batch, m, n, k, torch.float32, seed=m)
+    before = [p.clone() for p in as_list(params)]
+    exact_x, exact_v = dion3_reference(before, index, o, v, **HYPER)
+    got_x, got_v = _run_dion3(tk, params, index, o, v, HYPER)
+    torch.testing.assert_close(got_v.to(F64), exact_v, rtol=1e-5, atol=0)
+    for x, ref in zip(got_x, exact_x):
+        torch.testing.assert_close(x.to(F64), ref, rtol=1e-5, atol=1e-8)
 
 
 def test_dion3_post_update_kernel_zero_update(tk):
