@@ -14,9 +14,9 @@ import contextlib
 import math
 import operator
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
@@ -108,19 +108,32 @@ class _Matrix:
 _eager_under_compile = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 
 
-# Where torch.autocast can be on. A step called inside the autocast block of the forward pass would
-# have its products rounded to bf16/fp16 by autocast: the fp32 iterations silently in bf16, and Dion's
-# in-place error feedback then given mixed dtypes (raised half-way through the step).
-_AUTOCAST_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+# torch.autocast's device types (those this torch build knows, and a registered privateuse1 backend):
+# a step called inside the autocast block of the forward pass would have its products rounded to
+# bf16/fp16 by autocast, the fp32 iterations silently in bf16, and Dion's in-place error feedback then
+# given mixed dtypes (raised half-way through the step).
+@lru_cache(maxsize=1)
+def _autocast_device_types() -> tuple[str, ...]:
+    names = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "maia", torch._C._get_privateuse1_backend_name())
+    available = []
+    for name in dict.fromkeys(names):
+        try:
+            if torch.amp.is_autocast_available(name):
+                available.append(name)
+        except RuntimeError:  # a name this build does not know
+            pass
+    return tuple(available)
 
 
-def _autocast_off() -> contextlib.ExitStack:
-    """A context in which every autocast that is on is off, as in a step called outside the block."""
-    stack = contextlib.ExitStack()
-    for device_type in _AUTOCAST_DEVICE_TYPES:
-        if torch.is_autocast_enabled(device_type):
-            stack.enter_context(torch.autocast(device_type, enabled=False))
-    return stack
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Every autocast that is on is off inside, as in a step called outside the block."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _autocast_device_types():
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
 
 def _refuse_a_set(params: Any, what: str) -> None:
     """A set's order changes between runs, and with it the order of the state dict and Dion's initial factors."""

@@ -51,6 +51,9 @@ def adamw_update(
         return
     steps = step if isinstance(step, list) else [torch.tensor(float(step), dtype=torch.float32, device=p.device)
                                                  for p in params]
+    # Stored in fp32 (torch's fused kernel takes that); the corrections in the parameters' precision
+    # where it is wider: in fp32, β₂ = 0.999 is off by 1.3e-8, which is 1.3e-5 of 1 − β₂.
+    steps = [s.to(torch.promote_types(s.dtype, x.dtype)) for s, x in zip(steps, params)]
     # X ← X + m / d with d = (√v/√b₂ + ε)·(−b₁/lr): the step size folded into the denominator.
     bias1 = torch._foreach_pow(beta1, steps)
     torch._foreach_sub_(bias1, 1.0)  # −b₁ = β₁ᵗ − 1
