@@ -7,6 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+# Dion3's update on CPUs: matrices of up to this many elements are decayed and updated batch-wide
+# (larger ones one by one: each matrix's decay, then its rows, while parts of it are still in cache).
+CPU_BATCHED_UPDATE_ELEMENTS = 1 << 16
 
 def gram(x: Tensor, out: Tensor | None = None) -> Tensor:
     """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric), written into ``out`` when given."""
@@ -97,8 +100,17 @@ def dion3_post_update(
         row_scale, v_new = normalized_row_scale(sumsq, v.to(work), o.shape[-1], beta2, eps)
         step = step * row_scale
     decay = 1.0 - lr * weight_decay
+    if isinstance(index, Tensor) and xs[0].dtype == work and (
+            o.device.type != "cpu" or xs[0].numel() <= CPU_BATCHED_UPDATE_ELEMENTS):
+        # Small matrices (on CPUs; any on accelerators): the batch's decay and products are one op
+        # each, which cost more in dispatch (launches) than in arithmetic when done per matrix.
+        if weight_decay != 0.0:
+            torch._foreach_mul_(xs, decay)
+        for x, i, rows in zip(xs, index, o_w * step.unsqueeze(-1)):
+            x.index_add_(0, i, rows)
+        return v_new.to(v.dtype) if v_new is not None else None
     for x, i, o_b, c_b in zip(xs, index, o_w, step):
-        o_b, c_b = o_b[: len(i)], c_b[: len(i)].unsqueeze(-1)
+        o_b, c_b = o_b[: len(i)], c_b[: len(i)].unsqueeze(-1)  # a ragged batch: each its own rows
         if x.dtype == work:
             # X holds the work dtype: decay every row in place and add the scaled rows, as any
             # decay-then-update step rounds (no copy of the old rows to compute from).
@@ -106,7 +118,7 @@ def dion3_post_update(
                 x.mul_(decay)
             x.index_add_(0, i, o_b * c_b)
             continue
-        rows = torch.addcmul(x.index_select(0, i).to(work) * decay, c_b, o_b)
+        rows = torch.addcmul(x.index_select(0, i).to(work) * decay, c_b, o_b)  # from the old X, rounded once
         if weight_decay != 0.0:
             x.mul_(decay)
         x.index_copy_(0, i, rows.to(x.dtype))

@@ -37,6 +37,7 @@ from orthoptim.optim.capture import capturing
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError
 from orthoptim.optim.sharding import ShardedParameters
+from orthoptim.optim.stacked_state import restack, stacked_view, stands_alone
 from orthoptim.optim.state import OPTIONS_ADDED_LATER, StateKeeping
 from orthoptim.optim.user_orthogonalizer import CheckedOrthogonalizers, users_own
 from orthoptim.optim.validation import (
@@ -133,6 +134,7 @@ def _autocast_off() -> Iterator[None]:
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
+
 
 
 def _refuse_a_set(params: Any, what: str) -> None:
@@ -279,6 +281,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
             self._init_state(p, group)
+        self._stack_selection_state(group)
 
     def _warn_rows_for_tall(self, group: dict[str, Any], params: list[tuple[Any, str]], index: int) -> None:
         """Dion2 on one process selects the columns of a tall matrix; row-sharded (FSDP2), it selects rows
@@ -563,13 +566,56 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                                  beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                  finish=finish, **common)
         elif algorithm == "dion2":
-            rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
-                               dim=0 if layout in ("row_sharded", "column_sharded") else None, select=select,
-                               **common)
+            stacked = self._stacked_selection_state(group, batch, ("momentum",))
+            dim = 0 if layout in ("row_sharded", "column_sharded") else None
+            rules.dion2_update(xs, gs, [m.momentum for m in batch], fraction=group["fraction"], mu=group["mu"],
+                               orthogonalize=orthogonalize, dim=dim, select=select,
+                               stacked=stacked[0] if stacked else None, **common)
         else:
+            stacked = self._stacked_selection_state(group, batch, ("momentum", "variance"))
+            ms, es = [m.momentum for m in batch], [m.extra for m in batch]
             rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
                                beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
-                               finish=finish, select=select, **common)
+                               finish=finish, select=select, stacked=stacked, **common)
+
+    def _stacked_selection_state(self, group: dict[str, Any], batch: list[_Matrix],
+                                 keys: tuple[str, ...]) -> tuple[Tensor, ...] | None:
+        """The batch's state ``keys`` (momenta [B, m, n], Dion3's variances [B, m]) as views of one
+        tensor each, where ``_stack_selection_state`` stacked them and the batch is that stack or a
+        run of it; else None (the per-matrix ops run)."""
+        fields = {"momentum": "momentum", "variance": "extra"}
+        if batch[0].layout != "replicated" or self._process_group is not None:
+            return None
+        stacks = [stacked_view([getattr(m, fields[key]) for m in batch]) for key in keys]
+        return tuple(stacks) if all(s is not None for s in stacks) else None
+
+    def _stack_selection_state(self, group: dict[str, Any]) -> None:
+        """Dion2/Dion3 on one process: the momenta (and Dion3's variances) of the group's whole matrices
+        of one shape, dtype and device made views of one tensor each (``optim.stacked_state``), in the
+        order the step batches them, so that its row selection runs batched. Not for sharded or
+        communicated layouts, matrices cut into blocks, or on CPUs matrices from
+        ``selection.L1_CHUNK_ELEMENTS`` elements on (their block-by-block passes beat batched ones).
+        A state tensor already in a stack stays there (load_state_dict copies into it)."""
+        if group["algorithm"] not in ("dion2", "dion3") or self._process_group is not None \
+                or self._replicate_group is not None:
+            return
+        keys = ("momentum", "variance") if group["algorithm"] == "dion3" else ("momentum",)
+
+        def stackable(p: Tensor) -> bool:
+            if type(p) not in (torch.nn.Parameter, Tensor) or self._layout(p, group) != "replicated":
+                return False
+            if p.device.type == "cpu" and p.numel() > rules.selection.L1_CHUNK_ELEMENTS:
+                return False
+            state = self.state.get(p, {})
+            return self._view(p, group).num_matrices == 1 and all(
+                type(state.get(key)) is Tensor and stands_alone(state[key]) for key in keys)
+
+        same = megabatches([p for p in group["params"] if stackable(p)],
+                           key=lambda p: (tuple(p.shape), p.dtype, p.device, tuple(self.state[p]["momentum"].stride())))
+        for params in same:
+            for key in keys:
+                for p, fresh in zip(params, restack([self.state[p][key] for p in params])):
+                    self.state[p][key] = fresh
 
     def _orthogonalize_hooks(self, group: dict[str, Any], batch: list[_Matrix]) -> tuple[Any, Any, Any, Any]:
         """What the orthogonalizing rules call for one megabatch, as (orthogonalize, finish, select,

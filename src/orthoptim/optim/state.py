@@ -21,6 +21,7 @@ from torch import Tensor
 
 from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
 from orthoptim.optim.matrix_view import MatrixView
+from orthoptim.optim.stacked_state import stands_alone
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by, validate_group
 from orthoptim.orthogonalize import normalize_columns
 from orthoptim.rules.selection import ceil_fraction
@@ -344,7 +345,11 @@ class StateKeeping:
         params = [p for g in self.param_groups for p in g["params"]]
         saved = state_dict["state"]
         before = [dict(g) for g in self.param_groups]
-        held = {p: dict(self.state[p]) for p in params if p in self.state} if self.capturable else {}
+        # Capturable: every tensor a captured graph may hold; else the state tensors in a stack
+        # (``stacked_state``), which stay views of it.
+        held = {p: (dict(self.state[p]) if self.capturable else
+                    {k: v for k, v in self.state[p].items() if isinstance(v, Tensor) and not stands_alone(v)})
+                for p in params if p in self.state}
         self._warn_reordered_names(state_dict)
         super().load_state_dict(state_dict)
         self._betas_seen.clear()  # the loaded betas are the new reference
@@ -381,12 +386,13 @@ class StateKeeping:
         if self.capturable:
             for index, group in enumerate(self.param_groups):
                 self._lr_to_tensor(group, index)
-            self._load_into_held_tensors(held, before)
+        self._load_into_held_tensors(held, before if self.capturable else None)
 
-    def _load_into_held_tensors(self, held: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]]) -> None:
-        """Capturable: the loaded values copied into the tensors the optimizer held before (each lr and
-        state tensor of the same shape, dtype and device), so that a captured CUDA graph, which reads
-        and writes those addresses, replays with the loaded state instead of the replaced one."""
+    def _load_into_held_tensors(self, held: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]] | None) -> None:
+        """The loaded values copied into the tensors the optimizer held before (each state tensor of
+        ``held``, and with ``groups`` each lr, of the same shape, dtype and device): capturable, so that
+        a captured CUDA graph, which reads and writes those addresses, replays with the loaded state
+        instead of the replaced one; and state in a stack, which stays batched."""
         def keep(old: Any, new: Any) -> Any:
             if isinstance(old, Tensor) and isinstance(new, Tensor) and old is not new and \
                     (old.shape, old.dtype, old.device) == (new.shape, new.dtype, new.device) and \
@@ -395,7 +401,7 @@ class StateKeeping:
                 return old
             return new
 
-        for group, old in zip(self.param_groups, groups):
+        for group, old in zip(self.param_groups, groups or []):
             group["lr"] = keep(old["lr"], group["lr"])
         for p, old_state in held.items():
             state = self.state[p]

@@ -29,19 +29,25 @@ def dion2_update(
     orthogonalize: Callable[[Tensor], Tensor],
     dim: int | None = None,
     select: Callable[[list[Tensor]], selection.Index] | None = None,
+    stacked: Tensor | None = None,
 ) -> None:
     """One Dion2 step for a megabatch of same-shape matrices; ``dim`` forces rows (0) or columns (1),
-    ``select(M) → index`` replaces the per-matrix top-k (exact selection over a row-sharded matrix)."""
+    ``select(M) → index`` replaces the per-matrix top-k (exact selection over a row-sharded matrix).
+    ``stacked``: the momenta as the views of one [B, m, n] tensor, for batched slice selection
+    (``optim.stacked_state``); the same numbers as the per-matrix ops."""
     rows, cols = momenta[0].shape
     if dim is None:
         dim = 0 if rows <= cols else 1
-    momentum.accumulate_(momenta, grads, 1.0)
-    if select is None:
-        index = selection.top_slices(momenta, selection.num_selected(momenta[0].shape[dim], fraction), dim)
+    k = selection.num_selected(momenta[0].shape[dim], fraction)
+    if stacked is not None:
+        index = selection.largest(selection.accumulate_and_l1_norms_stacked_(stacked, momenta, grads, dim), k)
+        u = selection.gather_stacked(stacked, index, dim)
+        selection.decay_stacked_(stacked, index, u, dim, mu)
     else:
-        index = select(momenta)
-    u = selection.gather_slices(momenta, index, dim)
-    selection.decay_slices_(momenta, index, u, dim, mu)
+        momentum.accumulate_(momenta, grads, 1.0)
+        index = selection.top_slices(momenta, k, dim) if select is None else select(momenta)
+        u = selection.gather_slices(momenta, index, dim)
+        selection.decay_slices_(momenta, index, u, dim, mu)
     o = orthogonalize(u)
     if params[0].dtype in weight_decay.ROUNDED_ONCE:
         # Decay and update of the selected slices in fp32 from the old X, rounded once (Dion3's update

@@ -74,6 +74,7 @@ def accumulate_and_row_norms_(momenta: list[Tensor], grads: list[Tensor]) -> Ten
     return l1_norms(momenta, 0, add=grads)
 
 
+
 def largest(norms: Tensor, k: int) -> Tensor:
     """Indices [B, k] of the k largest of each matrix's slice norms ``norms`` [B, size], unsorted."""
     return torch.topk(norms, k, dim=-1, sorted=False).indices
@@ -140,3 +141,43 @@ def scatter_entries_(vectors: list[Tensor], index: Index, values: Tensor) -> Non
     """vectors[i][S_i] ← values[i]."""
     for v, i, new in zip(vectors, index, values):
         v.index_copy_(0, i, new[: len(i)].to(v.dtype))
+
+
+# --------------------------------------------------------------------- batched, on stacked momenta
+# When a megabatch's momenta are the views of one [B, m, n] tensor (``optim.stacked_state``), the
+# per-matrix ops below run once for the batch, with the same arithmetic and row reductions.
+
+
+def accumulate_and_l1_norms_stacked_(stack: Tensor, momenta: list[Tensor], grads: list[Tensor], dim: int) -> Tensor:
+    """M ← M + G in place and the [B, size] L1 norms of the new slices along ``dim`` (0: rows, 1: columns),
+    for momenta that are the views ``stack`` [B, m, n]."""
+    torch._foreach_add_(momenta, grads)
+    acc = torch.promote_types(stack.dtype, torch.float32)
+    reduced = -1 if dim == 0 else -2
+    if stack.device.type == "cpu":  # as ``l1_norms`` sums a block that holds the whole matrix
+        return torch.abs(stack).sum(dim=reduced, dtype=acc)
+    return torch.linalg.vector_norm(stack, 1, dim=reduced, dtype=acc)
+
+
+def _expanded(stack: Tensor, index: Tensor, dim: int) -> Tensor:
+    """``index`` [B, k] spread over the other axis of ``stack`` [B, m, n], for gather / scatter."""
+    if dim == 0:
+        return index[:, :, None].expand(-1, -1, stack.shape[-1])
+    return index[:, None, :].expand(-1, stack.shape[1], -1)
+
+
+def gather_stacked(stack: Tensor, index: Tensor, dim: int) -> Tensor:
+    """``gather_slices`` of the views of ``stack``: [B, k, n] for rows, [B, m, k] for columns."""
+    return torch.gather(stack, dim + 1, _expanded(stack, index, dim))
+
+
+def decay_stacked_(stack: Tensor, index: Tensor, current: Tensor, dim: int, mu: float) -> None:
+    """``decay_slices_`` of the views of ``stack``. Rows of a contiguous stack: one ``index_add_`` over
+    the rows of all matrices, the per-matrix op's arithmetic (its fused scale rounds otherwise than a
+    scaled copy would); columns, matrix by matrix."""
+    if dim == 0 and stack.is_contiguous():
+        batch, rows, cols = stack.shape
+        flat = (index + torch.arange(batch, device=index.device)[:, None] * rows).flatten()
+        stack.view(batch * rows, cols).index_add_(0, flat, current.flatten(0, 1), alpha=mu - 1.0)
+    else:
+        decay_slices_(list(stack.unbind(0)), index, current, dim, mu)

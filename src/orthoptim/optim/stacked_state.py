@@ -1,0 +1,42 @@
+"""The state of a megabatch's matrices as views of one tensor, so that row selection runs batched.
+
+Each parameter owns its state tensors, so the B matrices of a megabatch have B separate momenta,
+and Dion2/Dion3's row selection (M ← M + G with the rows' norms, the gather of the selected rows,
+their error-feedback decay, the variance rows) costs a few small ops per matrix: on a GPU B kernel
+launches each, on a CPU B dispatches, which for small matrices cost more than the arithmetic.
+Once the B state tensors are views of one [B, ...] buffer (``restack``: one copy, the first time),
+those ops run once for the batch, with the same elementwise arithmetic and row reductions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def stacked_view(tensors: list[Tensor]) -> Tensor | None:
+    """A [B, *shape] view whose i-th entry is ``tensors[i]`` (same shape, strides, dtype and device),
+    if they lie equally spaced and without overlap in one storage; else None."""
+    t0 = tensors[0]
+    if len(tensors) == 1:
+        return t0.unsqueeze(0)
+    shape, strides, storage, offset = t0.shape, t0.stride(), t0.untyped_storage().data_ptr(), t0.storage_offset()
+    spacing = tensors[1].storage_offset() - offset
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))  # elements one view spans
+    if spacing < extent or any(stride < 0 for stride in strides):
+        return None
+    for i, t in enumerate(tensors):
+        if (t.shape != shape or t.stride() != strides or t.dtype != t0.dtype or t.device != t0.device
+                or t.storage_offset() != offset + i * spacing or t.untyped_storage().data_ptr() != storage):
+            return None
+    return t0.as_strided((len(tensors), *shape), (spacing, *strides), offset)
+
+
+def restack(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` (one shape) that are views of one new contiguous [B, *shape] tensor."""
+    return list(torch.stack(tensors).unbind(0))
+
+
+def stands_alone(t: Tensor) -> bool:
+    """Whether ``t`` is the whole of its storage (not a view into a stack)."""
+    return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
