@@ -81,6 +81,11 @@ def test_capturable_step_reads_nothing_back_from_the_device(name):
     (lambda x: torch.bincount(torch.tensor([1, 2])), "aten::bincount"),
     (lambda x: torch.allclose(x, x), "aten::allclose"),
     (lambda x: torch.where(x > 0), "aten::nonzero"),
+    (lambda x: torch.masked_select(x, x > 0), "aten::masked_select"),
+    (lambda x: torch.equal(x, x), "aten::equal"),
+    (lambda x: torch.unique(x), "aten::_unique2"),
+    (lambda x: torch.unique_consecutive(x), "aten::unique_consecutive"),
+    (lambda x: torch.unique(x, dim=0), "aten::unique_dim"),
 ])
 def test_the_host_sync_counter_sees_each_kind_of_read(read, name):
     x = torch.randn(4, 3)

@@ -3,6 +3,8 @@ with one all-gather per megabatch."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -84,6 +86,32 @@ def test_replicated_parameters_match_single_process(world_size):
                 assert step_comm["all_gather"]["calls"] == megabatches, (name, step_comm)
     # Every rank ends with the same parameters: compare the errors' source, the params, via rank 0's.
     assert all(r.keys() == results[0].keys() for r in results)
+
+
+SHARE_BATCHES = {(16, 32): 4, (8, 16): 3}  # a megabatch the world size divides, and one it does not
+
+
+def _share_bytes(rank: int, world: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape, generator=gen)) for shape, count in SHARE_BATCHES.items()
+              for _ in range(count)]
+    opt = orthoptim.Muon(params, lr=0.01, distributed_mesh=dist.group.WORLD)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.comm_stats = CommStats()
+    opt.step()
+    return opt.comm_stats.as_dict()["all_gather"]
+
+
+def test_each_rank_orthogonalizes_and_gathers_ceil_batch_over_world_matrices():
+    """Rank r's share of a megabatch of B is c = ceil(B / world) matrices, and it all-gathers just those:
+    a share of B // world + 1 gives the same update but computes and sends a padding matrix more
+    wherever the world size divides B."""
+    world = 2
+    want = {"calls": len(SHARE_BATCHES),
+            "bytes": sum(math.ceil(count / world) * m * n * 4 for (m, n), count in SHARE_BATCHES.items())}
+    for rank, result in enumerate(run_distributed(_share_bytes, world, timeout=60)):
+        assert result == want, (rank, result)
 
 
 def _ddp_training(rank: int, world: int) -> dict:

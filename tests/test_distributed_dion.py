@@ -234,6 +234,39 @@ def test_compressed_sync_sends_low_rank_factors_not_gradients():
         assert sent < full_gradients
 
 
+def _householder_fallback_rows(rank: int, world: int) -> dict:
+    """fp64, 9 rows over 2 ranks (5 + 4), a full-rank gradient of condition number 1e8: κ²·eps64 > 1e-2,
+    so CholeskyQR is not trusted and each rank takes its rows of the Householder QR of the gathered P."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(9, 8, generator=gen, dtype=torch.float64)
+    u = torch.linalg.qr(torch.randn(9, 8, generator=gen, dtype=torch.float64)).Q
+    v = torch.linalg.qr(torch.randn(8, 8, generator=gen, dtype=torch.float64)).Q
+    g = u @ torch.diag(torch.logspace(0, -8, 8, dtype=torch.float64)) @ v.T
+    single = nn.Parameter(init.clone())
+    sharded = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
+    opt_single = orthoptim.Dion([single], lr=0.05, rank_fraction=1.0)
+    opt_sharded = orthoptim.Dion([sharded], lr=0.05, rank_fraction=1.0, outer_shard_mesh=mesh)
+    opt_sharded.comm_stats = CommStats()
+    single.grad, sharded.grad = g.clone(), distribute_tensor(g.clone(), mesh, [Shard(0)])
+    opt_single.step()
+    opt_sharded.step()
+    update = (single.detach() - init).norm()
+    return {"error": float((sharded.full_tensor() - single.detach()).norm() / update),
+            "gathers": opt_sharded.comm_stats.calls["all_gather"]}
+
+
+def test_the_householder_fallback_keeps_each_ranks_own_rows():
+    """P gathered whole for the fallback QR: each rank must keep its own rows of Q (rows 5..8 on rank 1),
+    not another rank's, or its block of the update is another block's."""
+    for rank, result in enumerate(run_distributed(_householder_fallback_rows, 2, timeout=60)):
+        assert result["gathers"] == 1, (rank, result)  # the fallback ran
+        assert result["error"] <= 1e-9, (rank, result)
+
+
 def _refusals(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

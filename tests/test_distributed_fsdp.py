@@ -148,6 +148,71 @@ def test_row_sharded_parameters_match_single_process(world_size):
     assert results[0]["dion3_local_0.5"]["variance_type"] == "DTensor"
 
 
+def _shapes_whose_shards_coincide(rank: int, world: int) -> dict:
+    """[10, 16] and [9, 16] on 2 ranks: shards [5, 16] and [5, 16] on rank 0, [5, 16] and [4, 16] on rank 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, cls, kwargs in (("muon", orthoptim.Muon, {}),
+                              ("dion3_global", orthoptim.Dion3, {"selection_scope": "global"})):
+        gen = torch.Generator().manual_seed(0)
+        init = [torch.randn(shape, generator=gen) for shape in ((10, 16), (9, 16))]
+        grads = [torch.randn(t.shape, generator=gen) for t in init]
+        single = [nn.Parameter(t.clone()) for t in init]
+        sharded = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+        opt_single = cls(single, lr=LR, **kwargs)
+        opt_sharded = cls(sharded, lr=LR, distributed_mesh=mesh, **kwargs)
+        for a, b, g in zip(single, sharded, grads):
+            a.grad, b.grad = g.clone(), distribute_tensor(g.clone(), mesh, [Shard(0)])
+        opt_single.step()
+        opt_sharded.step()
+        out[name] = [float((b.full_tensor() - a.detach()).norm() / a.detach().norm()) for a, b in zip(single, sharded)]
+    return out
+
+
+def test_megabatches_are_keyed_by_the_full_shape_on_every_rank():
+    """Keyed by the local shape, rank 0 would batch both matrices together and rank 1 apart: the ranks'
+    exchanges no longer match (wrong rows, or a collective of another size)."""
+    for rank, result in enumerate(run_distributed(_shapes_whose_shards_coincide, 2, timeout=60)):
+        for name, errors in result.items():
+            assert max(errors) <= REL_TOL, (rank, name, errors)
+
+
+def _empty_last_shard(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, cls, kwargs in (("muon", orthoptim.Muon, {}),
+                              ("dion3_global", orthoptim.Dion3, {"selection_scope": "global", "fraction": 0.5})):
+        gen = torch.Generator().manual_seed(0)
+        init, g = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+        single = nn.Parameter(init.clone())
+        sharded = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
+        opt_single = cls([single], lr=LR, **kwargs)
+        opt_sharded = cls([sharded], lr=LR, distributed_mesh=mesh, **kwargs)
+        single.grad, sharded.grad = g.clone(), distribute_tensor(g.clone(), mesh, [Shard(0)])
+        opt_single.step()
+        opt_sharded.step()
+        out[name] = float((sharded.full_tensor() - single.detach()).norm() / (single.detach() - init).norm())
+    return out
+
+
+def test_an_empty_last_shard_after_a_short_one_matches_single_process():
+    """5 rows on 4 ranks: torch.chunk gives 2, 2, 1, 0 (5 - 3·2 < 0 rows left for the last rank, held as
+    0, not -1). Muon and Dion3 with global selection equal one process."""
+    from orthoptim.distributed.dtensor import shard_rows
+
+    assert shard_rows(5, 4) == [2, 2, 1, 0]
+    assert shard_rows(5, 4) == [hi - lo for lo, hi in _shard_ranges(5, 4)]
+    for rank, result in enumerate(run_distributed(_empty_last_shard, 4, timeout=90)):
+        for name, error in result.items():
+            assert error <= REL_TOL, (rank, name, error)
+
+
 def _bytes_by_fraction(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -619,6 +684,80 @@ def _fp16_sharded_batches(rank: int, world: int) -> dict:
 def test_fp16_overflow_check_of_sharded_batches_has_no_false_alarm():
     for result in run_distributed(_fp16_sharded_batches, 2, timeout=90):
         assert result == {0: True, 1: True, 2: True}, result
+
+
+def _nan_in_one_shard(rank: int, world: int) -> dict:
+    """A NaN in rank 1's rows of a Shard(0) Dion3 matrix only; another matrix is finite everywhere."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for mode in ("skip", "raise"):  # skip first: a rank that stepped under "raise" would hang the next case
+        w = nn.Parameter(distribute_tensor(torch.ones(8, 16), mesh, [Shard(0)]))
+        v = nn.Parameter(distribute_tensor(torch.ones(4, 16), mesh, [Shard(0)]))
+        opt = orthoptim.Dion3([{"params": [w, v], "param_names": ["w", "v"], "nonfinite": mode}], lr=0.1,
+                              distributed_mesh=mesh)
+        g = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        g[7, 0] = float("nan")  # row 7 lives on rank 1
+        w.grad = distribute_tensor(g, mesh, [Shard(0)])
+        v.grad = distribute_tensor(torch.ones(4, 16), mesh, [Shard(0)])
+        state = [t.to_local().clone() for t in opt.state[w].values()]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+                out[mode] = "stepped"
+            except Exception as e:
+                out[mode] = f"{type(e).__name__}: {e}"
+        out[mode + "_warnings"] = [str(x.message) for x in caught if "skipped" in str(x.message)]
+        out[mode + "_w_unchanged"] = bool((w.to_local() == 1).all()) and all(
+            torch.equal(a, b.to_local()) for a, b in zip(state, opt.state[w].values()))
+        out[mode + "_v_stepped"] = not bool((v.to_local() == 1).all())
+    return out
+
+
+def test_a_nan_in_one_ranks_shard_is_refused_or_skipped_on_every_rank():
+    """Only rank 1 sees the NaN: the verdict is all-reduced, so every rank raises (or skips that
+    parameter) together, for the reason rank 1 found. A rank going by its own shard's verdict steps
+    into collectives the others never join (a hang); a mixed-up table calls the NaN an fp16 overflow."""
+    for rank, result in enumerate(run_distributed(_nan_in_one_shard, 2, timeout=60)):
+        raised = result["raise"]
+        assert raised.startswith("NonFiniteGradientError: parameter w has a non-finite gradient"), (rank, raised)
+        assert "overflow" not in raised, (rank, raised)
+        assert result["raise_w_unchanged"], rank
+        assert result["skip"] == "stepped", (rank, result["skip"])
+        assert len(result["skip_warnings"]) == 1, (rank, result["skip_warnings"])
+        assert "parameter w has a non-finite gradient" in result["skip_warnings"][0], (rank, result)
+        assert result["skip_w_unchanged"] and result["skip_v_stepped"], (rank, result)
+
+
+def _fp16_column_over_row_shards(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = nn.Parameter(distribute_tensor(torch.zeros(64, 64, dtype=torch.float16), mesh, [Shard(0)]))
+    opt = orthoptim.Dion([("w", p)], rank_fraction=0.25, distributed_mesh=mesh)
+    g = torch.zeros(64, 64, dtype=torch.float16)
+    g[:, 0] = 9000.0
+    p.grad = distribute_tensor(g, mesh, [Shard(0)])
+    try:
+        opt.step()
+        return "stepped"
+    except orthoptim.NonFiniteGradientError as e:
+        return f"{e} | unchanged: {bool((p.to_local() == 0).all())}"
+
+
+def test_fp16_overflow_check_of_row_shards_bounds_the_whole_columns():
+    """Column 0 of B is 9000 in every row: its norm is 9000·√64 = 72000 > 65504, so Bᵀ P overflows fp16,
+    but each of 2 row shards holds only 9000·√32 ≈ 50900 of it. The shard's norm times √(row shards)
+    bounds the whole column; without that factor every rank stepped into inf."""
+    for rank, result in enumerate(run_distributed(_fp16_column_over_row_shards, 2, timeout=60)):
+        assert "parameter w" in result and "overflow float16" in result, (rank, result)
+        assert result.endswith("unchanged: True"), (rank, result)
 
 
 # Blocks of 8 rows or columns that are not torch.chunk's split ([4, 4] and [2, 2, 2, 2]). On 4 ranks,

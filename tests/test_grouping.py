@@ -630,6 +630,18 @@ def test_tables_kept_as_bare_parameters_go_to_adamw():
         assert "algorithm" not in group_of(groups, p), tuple(p.shape)
 
 
+def test_an_embedding_bag_is_an_embedding():
+    """nn.EmbeddingBag's table (a bag-of-words model's input layer) goes to AdamW as an embedding; as a
+    plain module's weight it would be orthogonalized by the matrix rule."""
+    model = nn.Sequential(nn.EmbeddingBag(100, D), nn.Linear(D, D))
+    groups = orthoptim.param_groups(model)
+    assert_partition(model, groups)
+    assert group_of(groups, model[0].weight).get("algorithm") == "adamw", "the table took the matrix rule"
+    assert "algorithm" not in group_of(groups, model[1].weight)
+    rows = {n: (kind, reason) for n, _, kind, reason in orthoptim.describe_assignment(model)}
+    assert rows["0.weight"] == ("scalar", "embedding of 0")
+
+
 def test_multihead_attention_in_proj_is_split_into_q_k_v():
     class Encoder(nn.Module):
         def __init__(self) -> None:

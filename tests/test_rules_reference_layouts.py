@@ -117,6 +117,28 @@ def test_one_orthogonalizer_call_per_block_shape(algorithm, shapes, opts, blocks
         assert got == want, f"step {t + 1}: batches {got}, expected {want}"
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_matrices_of_one_shape_but_two_dtypes_step_as_in_groups_of_their_own(algorithm):
+    """A bf16 and an fp32 matrix of one shape in one group form two megabatches (keyed by dtype too):
+    bit for bit the steps of the same matrices in separate groups. One batch of both stacks them in
+    one dtype: a dtype error, or (NorMuon) the fp32 matrix computed in bf16."""
+    gen = torch.Generator().manual_seed(31)
+    init = [torch.randn(16, 32, generator=gen).to(dtype) for dtype in (torch.bfloat16, torch.float32)]
+    grads = [[torch.randn(16, 32, generator=gen).to(t.dtype) for t in init] for _ in range(3)]
+    together = [t.clone().requires_grad_() for t in init]
+    apart = [t.clone().requires_grad_() for t in init]
+    opt_together = orthoptim.Dion3([{"params": together, "algorithm": algorithm}], lr=0.1)
+    opt_apart = orthoptim.Dion3([{"params": [p], "algorithm": algorithm} for p in apart], lr=0.1)
+    for step in grads:
+        for p, q, g in zip(together, apart, step):
+            p.grad, q.grad = g.clone(), g.clone()
+        opt_together.step()
+        opt_apart.step()
+    for p, q in zip(together, apart):
+        assert p.dtype == q.dtype
+        assert torch.equal(p.detach(), q.detach()), f"{p.dtype} matrix differs from its own group's step"
+
+
 # ----------------------------------------------------------------------------- the default orthogonalizers
 DEFAULT_ORTHOGONALIZER = {"muon": "polar_express", "normuon": "polar_express", "dion2": "polar_express",
                           "dion3": "gram"}

@@ -299,6 +299,24 @@ def test_dion_initial_right_factor_is_deterministic():
     assert qa and all(torch.equal(x, y) for x, y in zip(qa, qb, strict=True))
 
 
+
+def test_dion_initial_right_factor_is_seeded_by_the_parameters_position():
+    """Parameter k's Q starts from randn seeded DION_Q_SEED + k, columns normalized: same-shape matrices
+    start from different Q (one seed for all would start every one from the same directions), and
+    any process rebuilds each one's Q from its position alone."""
+    from orthoptim.optim.state import DION_Q_SEED
+    from orthoptim.orthogonalize import normalize_columns
+
+    params = [nn.Parameter(torch.randn(8, 6)) for _ in range(3)]
+    opt = orthoptim.Dion(params, lr=0.01, rank_fraction=0.5)
+    qs = [opt.state[p]["Q"] for p in params]
+    assert not torch.equal(qs[0], qs[1]) and not torch.equal(qs[1], qs[2])
+    eps = opt.param_groups[0]["epsilon"]
+    for k, q in enumerate(qs):
+        gen = torch.Generator().manual_seed(DION_Q_SEED + k)
+        assert torch.equal(q, normalize_columns(torch.randn(q.shape, generator=gen), eps)), f"Q of parameter {k}"
+
+
 # ----------------------------------------------------------------------------- LR schedulers
 SCHEDULERS = {
     "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
@@ -546,6 +564,33 @@ def test_changing_transpose_under_per_row_state_is_refused_also_for_square_matri
     assert torch.equal(w.detach(), before)
     opt.param_groups[0]["transpose"] = False
     opt.step()  # as it was: steps again
+
+
+@pytest.mark.parametrize("name", ["normuon", "dion3", "dion"])
+def test_transposed_per_row_state_loads_and_continues_bit_identically(name):
+    """Experts stored [E, in, out] with transpose=True: the loaded variance (or Q) was made under the
+    group's transpose=True. Recorded as made under transpose=False, the next step refuses it as state
+    of the other axis."""
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(2, 12, 8, generator=gen)
+    grads = [torch.randn(2, 12, 8, generator=gen) for _ in range(3)]
+
+    def make(p):
+        return orthoptim.Dion3([{"params": [p], "algorithm": name, "transpose": True}], lr=0.02)
+
+    whole, resumed = nn.Parameter(init.clone()), nn.Parameter(init.clone())
+    reference, first = make(whole), make(resumed)
+    for g in grads:
+        whole.grad = g.clone()
+        reference.step()
+    for g in grads[:2]:
+        resumed.grad = g.clone()
+        first.step()
+    second = make(resumed)
+    second.load_state_dict(roundtrip(first.state_dict()))
+    resumed.grad = grads[2].clone()
+    second.step()
+    assert torch.equal(resumed.detach(), whole.detach())
 
 
 def test_a_state_dict_from_before_the_transpose_option_loads_as_saved():

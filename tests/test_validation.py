@@ -145,6 +145,9 @@ CONSTRUCTION_CASES = [
      ValueError, ["mu=1.0", "[0.0, 1.0)"]),
     ("mu_above_one", lambda m: orthoptim.Dion2([named_group(m, "lin.weight", mu=1.5)]),
      ValueError, ["mu=1.5", "[0.0, 1.0)"]),
+    # beta2 = 1 keeps the variance at zero forever: NorMuon (and Dion3's normalization) silently off.
+    ("muon_beta2_one", lambda m: orthoptim.NorMuon([named_group(m, "lin.weight")], muon_beta2=1.0),
+     ValueError, ["muon_beta2=1.0", "[0.0, 1.0)"]),
     ("unknown_algorithm", lambda m: orthoptim.Dion3([named_group(m, "lin.weight", algorithm="sgd")]),
      ValueError, ["algorithm='sgd'", "'dion3'", "'adamw'"]),
     ("unknown_adjust_lr", lambda m: orthoptim.Muon([named_group(m, "lin.weight")], adjust_lr="spectral"),
@@ -816,6 +819,22 @@ def test_fp16_momentum_that_fits_steps_normally(name):
     p, opt = _fp16_step(name, [100.0, 100.0, 100.0])
     opt.step()
     assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("name", ["dion3", "dion2"])
+def test_fp16_dion2_and_dion3_check_bounds_the_momentum_before_its_decay(name):
+    """Dion2/Dion3 accumulate M ← M + G and decay only the selected rows afterwards: |M + G| = 66000
+    overflows fp16 although |0.95·M + G| = 63000 would not. A check that applied μ first let the step
+    write inf into the momentum."""
+    p = nn.Parameter(torch.zeros(8, 16, dtype=torch.float16))
+    opt = CLASSES[name]([{"params": [p], "param_names": ["w16"]}], lr=0.01, fraction=0.25, mu=0.95)
+    opt.state[p]["momentum"].fill_(60000.0)  # rows left unselected for many steps
+    p.grad = torch.full_like(p, 6000.0)
+    before = (p.detach().clone(), _clone(opt.state_dict()))
+    with raises_naming(orthoptim.NonFiniteGradientError, "w16", "overflow float16"):
+        opt.step()
+    assert torch.equal(p, before[0])
+    _assert_equal(before[1], opt.state_dict())
 
 
 def test_a_users_factored_orthogonalizer_is_checked_too():
