@@ -11,6 +11,7 @@ from torch import Tensor
 # (larger ones one by one: each matrix's decay, then its rows, while parts of it are still in cache).
 CPU_BATCHED_UPDATE_ELEMENTS = 1 << 16
 
+
 def gram(x: Tensor, out: Tensor | None = None) -> Tensor:
     """X Xᵀ for a batch [B, k, n] → [B, k, k] (symmetric), written into ``out`` when given."""
     return torch.bmm(x, x.mT, out=out)
@@ -102,15 +103,16 @@ def dion3_post_update(
     decay = 1.0 - lr * weight_decay
     if isinstance(index, Tensor) and xs[0].dtype == work and (
             o.device.type != "cpu" or xs[0].numel() <= CPU_BATCHED_UPDATE_ELEMENTS):
-        # Small matrices (on CPUs; any on accelerators): the batch's decay and products are one op
-        # each, which cost more in dispatch (launches) than in arithmetic when done per matrix.
+        # Small matrices (on CPUs; any on accelerators): the decay and the scaled rows of the whole
+        # batch in one op each (per matrix they cost more in dispatch, or launches, than in
+        # arithmetic); the rows are added matrix by matrix.
         if weight_decay != 0.0:
             torch._foreach_mul_(xs, decay)
         for x, i, rows in zip(xs, index, o_w * step.unsqueeze(-1)):
             x.index_add_(0, i, rows)
         return v_new.to(v.dtype) if v_new is not None else None
     for x, i, o_b, c_b in zip(xs, index, o_w, step):
-        o_b, c_b = o_b[: len(i)], c_b[: len(i)].unsqueeze(-1)  # a ragged batch: each its own rows
+        o_b, c_b = o_b[: len(i)], c_b[: len(i)].unsqueeze(-1)  # ragged: each matrix its own number of rows
         if x.dtype == work:
             # X holds the work dtype: decay every row in place and add the scaled rows, as any
             # decay-then-update step rounds (no copy of the old rows to compute from).

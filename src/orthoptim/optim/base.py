@@ -14,6 +14,7 @@ import contextlib
 import math
 import operator
 import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -38,7 +39,7 @@ from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError
 from orthoptim.optim.sharding import ShardedParameters
 from orthoptim.optim.stacked_state import restack, stacked_view, stands_alone
-from orthoptim.optim.state import OPTIONS_ADDED_LATER, StateKeeping
+from orthoptim.optim.state import OPTIONS_ADDED_LATER, StateKeeping, row_state_dtype
 from orthoptim.optim.user_orthogonalizer import CheckedOrthogonalizers, users_own
 from orthoptim.optim.validation import (
     MATRIX_ALGORITHMS,
@@ -136,7 +137,6 @@ def _autocast_off() -> Iterator[None]:
         yield
 
 
-
 def _refuse_a_set(params: Any, what: str) -> None:
     """A set's order changes between runs, and with it the order of the state dict and Dion's initial factors."""
     if isinstance(params, (set, frozenset)):
@@ -195,8 +195,14 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                     "pickled; save optimizer.state_dict() and load it into an optimizer built where it is needed")
         # Dropped as torch.optim drops them: hooks, and what shadows a method of the class (an LR
         # scheduler's wrapper of step, bound to the original optimizer: a copy would step that one).
-        return {key: value for key, value in self.__dict__.items()
+        kept = {key: value for key, value in self.__dict__.items()
                 if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)}
+        # A view into a stack (stacked_state) pickles its whole stack: each is written on its own, and
+        # __setstate__ stacks them again. (deepcopy keeps views; pickle writes a storage per view.)
+        kept["state"] = defaultdict(dict, {
+            p: {key: value.clone() if type(value) is Tensor and not stands_alone(value) else value
+                for key, value in state.items()} for p, state in self.state.items()})
+        return kept
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -208,6 +214,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self.defaults.setdefault(key, value)
             for group in self.param_groups:
                 group.setdefault(key, value)
+        for group in self.param_groups:
+            self._stack_selection_state(group, from_state=True)
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -280,8 +288,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for j, (p, label) in enumerate(zip(group["params"], labels)):
             self._names.setdefault(p, label)
             self._positions.setdefault(p, offset + j)
-            self._init_state(p, group)
         self._stack_selection_state(group)
+        for p in group["params"]:
+            self._init_state(p, group)
 
     def _warn_rows_for_tall(self, group: dict[str, Any], params: list[tuple[Any, str]], index: int) -> None:
         """Dion2 on one process selects the columns of a tall matrix; row-sharded (FSDP2), it selects rows
@@ -566,36 +575,40 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                                  beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                  finish=finish, **common)
         elif algorithm == "dion2":
-            stacked = self._stacked_selection_state(group, batch, ("momentum",))
+            stacked = self._stacked_selection_state(batch, ("momentum",)) if select is None else None
             dim = 0 if layout in ("row_sharded", "column_sharded") else None
-            rules.dion2_update(xs, gs, [m.momentum for m in batch], fraction=group["fraction"], mu=group["mu"],
-                               orthogonalize=orthogonalize, dim=dim, select=select,
-                               stacked=stacked[0] if stacked else None, **common)
+            rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
+                               dim=dim, select=select, stacked=stacked[0] if stacked else None, **common)
         else:
-            stacked = self._stacked_selection_state(group, batch, ("momentum", "variance"))
-            ms, es = [m.momentum for m in batch], [m.extra for m in batch]
+            stacked = self._stacked_selection_state(batch, ("momentum", "variance")) if select is None else None
             rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
                                beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                finish=finish, select=select, stacked=stacked, **common)
 
-    def _stacked_selection_state(self, group: dict[str, Any], batch: list[_Matrix],
-                                 keys: tuple[str, ...]) -> tuple[Tensor, ...] | None:
+    def _stacked_selection_state(self, batch: list[_Matrix], keys: tuple[str, ...]) -> tuple[Tensor, ...] | None:
         """The batch's state ``keys`` (momenta [B, m, n], Dion3's variances [B, m]) as views of one
-        tensor each, where ``_stack_selection_state`` stacked them and the batch is that stack or a
-        run of it; else None (the per-matrix ops run)."""
-        fields = {"momentum": "momentum", "variance": "extra"}
-        if batch[0].layout != "replicated" or self._process_group is not None:
+        tensor each, where they are a run of a stack (``_stack_selection_state``) or the equally spaced
+        matrices of one 3-D parameter; else None, and the per-matrix ops run. Only where the batched
+        ops reduce as the per-matrix ones do: contiguous matrices, on CPUs of at most
+        ``selection.L1_CHUNK_ELEMENTS`` elements (``l1_norms`` sums larger ones block by block)."""
+        if batch[0].layout != "replicated" or self._process_group is not None or self._replicate_group is not None:
             return None
+        fields = {"momentum": "momentum", "variance": "extra"}
         stacks = [stacked_view([getattr(m, fields[key]) for m in batch]) for key in keys]
-        return tuple(stacks) if all(s is not None for s in stacks) else None
+        if any(stack is None for stack in stacks) or not stacks[0].is_contiguous():
+            return None
+        if stacks[0].device.type == "cpu" and stacks[0][0].numel() > rules.selection.L1_CHUNK_ELEMENTS:
+            return None
+        return tuple(stacks)
 
-    def _stack_selection_state(self, group: dict[str, Any]) -> None:
+    def _stack_selection_state(self, group: dict[str, Any], *, from_state: bool = False) -> None:
         """Dion2/Dion3 on one process: the momenta (and Dion3's variances) of the group's whole matrices
-        of one shape, dtype and device made views of one tensor each (``optim.stacked_state``), in the
-        order the step batches them, so that its row selection runs batched. Not for sharded or
-        communicated layouts, matrices cut into blocks, or on CPUs matrices from
-        ``selection.L1_CHUNK_ELEMENTS`` elements on (their block-by-block passes beat batched ones).
-        A state tensor already in a stack stays there (load_state_dict copies into it)."""
+        of one shape, dtype and device made views of one zero tensor each (``optim.stacked_state``), in
+        the order the step batches them, so that its row selection runs batched. Called before the
+        group's state is made (each tensor is made once, in its stack); ``from_state``: the state is
+        there, standing alone (an unpickled copy), and is copied into stacks. Not for sharded or
+        communicated layouts, parameters of several matrices, or on CPUs matrices of more than
+        ``selection.L1_CHUNK_ELEMENTS`` elements (their block-by-block passes beat batched ones)."""
         if group["algorithm"] not in ("dion2", "dion3") or self._process_group is not None \
                 or self._replicate_group is not None:
             return
@@ -607,15 +620,29 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             if p.device.type == "cpu" and p.numel() > rules.selection.L1_CHUNK_ELEMENTS:
                 return False
             state = self.state.get(p, {})
-            return self._view(p, group).num_matrices == 1 and all(
-                type(state.get(key)) is Tensor and stands_alone(state[key]) for key in keys)
+            ready = all(type(state.get(key)) is Tensor and stands_alone(state[key]) and state[key].is_contiguous()
+                        for key in keys) if from_state else not any(key in state for key in keys)
+            return ready and self._view(p, group).num_matrices == 1
 
-        same = megabatches([p for p in group["params"] if stackable(p)],
-                           key=lambda p: (tuple(p.shape), p.dtype, p.device, tuple(self.state[p]["momentum"].stride())))
-        for params in same:
-            for key in keys:
-                for p, fresh in zip(params, restack([self.state[p][key] for p in params])):
-                    self.state[p][key] = fresh
+        for params in megabatches([p for p in group["params"] if stackable(p)],
+                                  key=lambda p: (tuple(p.shape), p.dtype, p.device)):
+            if len(params) < 2:
+                continue
+            p0 = params[0]
+            if from_state:
+                for key in keys:
+                    for p, t in zip(params, restack([self.state[p][key] for p in params])):
+                        self.state[p][key] = t
+                continue
+            momenta = torch.zeros((len(params), *p0.shape), dtype=p0.dtype, device=p0.device)
+            for p, m in zip(params, momenta.unbind(0)):
+                self.state[p]["momentum"] = m
+            if "variance" in keys:  # as _row_state makes it: [1, rows] of at least fp32
+                rows = self._view(p0, group).rows
+                variances = torch.zeros((len(params), 1, rows), dtype=row_state_dtype(p0), device=p0.device)
+                for p, v in zip(params, variances.unbind(0)):
+                    self.state[p]["variance"] = v
+                    self._state_transposed[p] = group["transpose"]
 
     def _orthogonalize_hooks(self, group: dict[str, Any], batch: list[_Matrix]) -> tuple[Any, Any, Any, Any]:
         """What the orthogonalizing rules call for one megabatch, as (orthogonalize, finish, select,

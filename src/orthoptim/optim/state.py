@@ -403,6 +403,14 @@ class StateKeeping:
 
         for group, old in zip(self.param_groups, groups or []):
             group["lr"] = keep(old["lr"], group["lr"])
+        # A loaded tensor may be a view of the held ones themselves (this optimizer's own state_dict(),
+        # its entries permuted): copied first, or one copy would overwrite the source of a later one.
+        held_storages = {t.untyped_storage().data_ptr() for old in held.values() for t in old.values()
+                         if type(t) is Tensor}
+        for p in held:
+            for key, value in self.state[p].items():
+                if type(value) is Tensor and value.untyped_storage().data_ptr() in held_storages:
+                    self.state[p][key] = value.clone()
         for p, old_state in held.items():
             state = self.state[p]
             for key, value in list(state.items()):

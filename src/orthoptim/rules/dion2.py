@@ -40,6 +40,7 @@ def dion2_update(
         dim = 0 if rows <= cols else 1
     k = selection.num_selected(momenta[0].shape[dim], fraction)
     if stacked is not None:
+        assert select is None, "stacked state is for this process's own slice selection"
         index = selection.largest(selection.accumulate_and_l1_norms_stacked_(stacked, momenta, grads, dim), k)
         u = selection.gather_stacked(stacked, index, dim)
         selection.decay_stacked_(stacked, index, u, dim, mu)

@@ -44,6 +44,7 @@ def dion3_update(
     selection (``optim.stacked_state``); the same numbers as the per-matrix ops.
     """
     if stacked is not None:
+        assert select is None, "stacked state is for this process's own row selection"
         m_stack, v_stack = stacked
         norms = selection.accumulate_and_l1_norms_stacked_(m_stack, momenta, grads, 0)
         index = selection.largest(norms, selection.num_selected(momenta[0].shape[0], fraction))
@@ -67,6 +68,6 @@ def dion3_update(
         o_hat, v_new = finish(u, v_selected)
         post(params, index, o_hat, None, normalize=False)
     if stacked is not None:
-        stacked[1].scatter_(1, index, v_new.to(stacked[1].dtype))
+        v_stack.scatter_(1, index, v_new.to(v_stack.dtype))
     else:
         selection.scatter_entries_(variances, index, v_new)

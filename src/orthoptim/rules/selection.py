@@ -74,7 +74,6 @@ def accumulate_and_row_norms_(momenta: list[Tensor], grads: list[Tensor]) -> Ten
     return l1_norms(momenta, 0, add=grads)
 
 
-
 def largest(norms: Tensor, k: int) -> Tensor:
     """Indices [B, k] of the k largest of each matrix's slice norms ``norms`` [B, size], unsorted."""
     return torch.topk(norms, k, dim=-1, sorted=False).indices
@@ -144,8 +143,8 @@ def scatter_entries_(vectors: list[Tensor], index: Index, values: Tensor) -> Non
 
 
 # --------------------------------------------------------------------- batched, on stacked momenta
-# When a megabatch's momenta are the views of one [B, m, n] tensor (``optim.stacked_state``), the
-# per-matrix ops below run once for the batch, with the same arithmetic and row reductions.
+# When a megabatch's momenta are the views of one [B, m, n] tensor (``optim.stacked_state``), these do
+# once for the batch what the per-matrix ops above do, with the same arithmetic and row reductions.
 
 
 def accumulate_and_l1_norms_stacked_(stack: Tensor, momenta: list[Tensor], grads: list[Tensor], dim: int) -> Tensor:
@@ -154,9 +153,18 @@ def accumulate_and_l1_norms_stacked_(stack: Tensor, momenta: list[Tensor], grads
     torch._foreach_add_(momenta, grads)
     acc = torch.promote_types(stack.dtype, torch.float32)
     reduced = -1 if dim == 0 else -2
-    if stack.device.type == "cpu":  # as ``l1_norms`` sums a block that holds the whole matrix
-        return torch.abs(stack).sum(dim=reduced, dtype=acc)
-    return torch.linalg.vector_norm(stack, 1, dim=reduced, dtype=acc)
+    if stack.device.type != "cpu":
+        return torch.linalg.vector_norm(stack, 1, dim=reduced, dtype=acc)
+    # As ``l1_norms`` sums a block holding a whole (contiguous, ≤ L1_CHUNK_ELEMENTS) matrix, with |M|
+    # formed a few matrices at a time in one small scratch.
+    batch, rows, cols = stack.shape
+    step = max(1, L1_CHUNK_ELEMENTS // max(rows * cols, 1))
+    scratch = torch.empty((min(step, batch), rows, cols), dtype=stack.dtype)
+    norms = torch.empty((batch, rows if dim == 0 else cols), dtype=acc)
+    for start in range(0, batch, step):
+        part = torch.abs(stack[start : start + step], out=scratch[: min(step, batch - start)])
+        torch.sum(part, dim=reduced, dtype=acc, out=norms[start : start + step])
+    return norms
 
 
 def _expanded(stack: Tensor, index: Tensor, dim: int) -> Tensor:
