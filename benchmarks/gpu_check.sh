@@ -5,14 +5,14 @@
 #   benchmarks/gpu_check.sh OUTDIR          (PYTHON=... picks the interpreter; default python3, else python)
 #
 # Writes into OUTDIR: env.json (device, versions, commit), kernel_tests.txt + kernel_tests.xml
-# (pytest on tests/test_kernels*.py), kernels_bench.json + kernels_bench.txt (torch vs Triton per
+# (pytest on tests/test_kernels*.py and the other CUDA tests), kernels_bench.json + kernels_bench.txt (torch vs Triton per
 # product, Gram NS vs standard NS, fused Dion3 update; medians in ms), ladder.json + ladder.png +
 # ladder.txt (benchmarks/ladder.py: step time, FLOPs, bytes, passes, state and transient memory per
 # optimizer on the 124M-like, 1B-like and 7B-like matrix sets; 7B-like at 8 of its 32 layers so that
 # AdamW's parameters, gradients, state and temporaries fit in memory many times over).
 # Runs in under 8 minutes: a first Triton launch (env.json says whether Triton can build its launcher
 # here); tests capped at 140 s (capture tests first, then the fused Muon update, then the kernels,
-# whose first calls compile and autotune); the kernel benchmark stops starting new cases after 80 s
+# whose first calls compile and autotune, then the stacked Dion2/Dion3 state on the GPU); the kernel benchmark stops starting new cases after 80 s
 # and is stopped at 110 s; the ladder stops starting new rungs after 140 s (each set by its share:
 # 124m by 47 s, 1b by 93 s, 7b:8 by 140 s, a set's unspent share passing on; the rest are listed as
 # skipped) and is stopped at 180 s. Both benchmarks rewrite their JSON as they go, so a stop keeps
@@ -104,7 +104,7 @@ if ! "$PY" -c 'import pytest' 2>/dev/null; then
 else
 echo "gpu_check: kernel and CUDA-graph capture tests (compiled kernels on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
 timeout -s INT -k 10 140 "$PY" -m pytest -q -p no:cacheprovider tests/test_capture.py tests/test_polar_factors.py \
-    tests/test_kernels.py tests/test_kernels_triton.py \
+    tests/test_kernels.py tests/test_kernels_triton.py tests/test_stacked_state.py \
     --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.txt"
 test_rc=${PIPESTATUS[0]}
 if [ "$test_rc" -ne 0 ]; then

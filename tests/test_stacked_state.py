@@ -220,3 +220,27 @@ def test_pickling_writes_each_state_once_and_unpickles_stacked():
         o.step()
     for x, y in zip(params, copied, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stacked path on a GPU needs CUDA")
+@pytest.mark.parametrize("name", ["dion3", "dion2"])
+def test_on_a_gpu_batched_selection_gives_the_per_matrix_numbers(monkeypatch, name):
+    """On a GPU every size is stacked; CUDA may split a reduction otherwise for one matrix's few rows
+    than for a batch's many (few rows, long ones are where it could)."""
+    def run(stacked: bool) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(5)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).cuda())
+                  for s in [(1, 4096)] * 3 + [(4, 2048)] * 3 + [(64, 64)] * 3 + [(8, 1024)] * 2]
+        cls = {"dion3": orthoptim.Dion3, "dion2": orthoptim.Dion2}[name]
+        opt = cls(params, lr=0.02, fraction=0.3)
+        with monkeypatch.context() as mp:
+            if not stacked:
+                mp.setattr(base.OrthonormalOptimizer, "_stacked_selection_state", lambda *_: None)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen).cuda()
+                opt.step()
+        return [p.detach().cpu() for p in params] + [t.cpu() for p in params for t in opt.state[p].values()]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.equal(a, b)
