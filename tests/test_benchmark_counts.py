@@ -30,6 +30,7 @@ from orthoptim.benchmark_counts import (
     state_bytes,
     tensor_bytes,
 )
+from orthoptim.optim import base
 
 F32 = 4
 
@@ -458,3 +459,15 @@ def test_counting_works_with_stderr_closed(closed):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(1 << 20), "cpu", "profiler"]
+
+
+def test_the_stacked_state_benchmark_times_both_sides_and_restores_the_method(tmp_path, capsys):
+    bench = _benchmark("stacked_state.py", "stacked_state_benchmark")
+    own = base.OrthonormalOptimizer._stacked_selection_state
+    out = tmp_path / "stacked.json"
+    assert bench.main(["--models", "1x16", "--optimizers", "dion3", "--steps", "2", "--warmup", "1",
+                       "--json", str(out)]) == 0
+    assert "| 1x16 | dion3 |" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["stacked_ms"]) == len(row["per_matrix_ms"]) == 2 and row["ratio_median"] > 0
+    assert base.OrthonormalOptimizer._stacked_selection_state is own

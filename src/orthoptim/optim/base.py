@@ -38,7 +38,7 @@ from orthoptim.optim.capture import capturing
 from orthoptim.optim.matrix_view import MatrixView, matrix_view
 from orthoptim.optim.nonfinite import GradientChecks, NonFiniteGradientError
 from orthoptim.optim.sharding import ShardedParameters
-from orthoptim.optim.stacked_state import restack, stacked_view, stands_alone
+from orthoptim.optim.stacked_state import for_copying, from_copying, restack, stacked_view, stands_alone
 from orthoptim.optim.state import OPTIONS_ADDED_LATER, StateKeeping, row_state_dtype
 from orthoptim.optim.user_orthogonalizer import CheckedOrthogonalizers, users_own
 from orthoptim.optim.validation import (
@@ -197,15 +197,17 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # scheduler's wrapper of step, bound to the original optimizer: a copy would step that one).
         kept = {key: value for key, value in self.__dict__.items()
                 if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)}
-        # A view into a stack (stacked_state) pickles its whole stack: each is written on its own, and
-        # __setstate__ stacks them again. (deepcopy keeps views; pickle writes a storage per view.)
-        kept["state"] = defaultdict(dict, {
-            p: {key: value.clone() if type(value) is Tensor and not stands_alone(value) else value
-                for key, value in state.items()} for p, state in self.state.items()})
+        # A tensor view pickles its whole storage: views into a stack (stacked_state) go as the stack,
+        # once, and where each lies in it.
+        kept["state"] = defaultdict(dict, {p: {key: for_copying(value) for key, value in state.items()}
+                                           for p, state in self.state.items()})
         return kept
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        for entries in self.state.values():
+            for key, value in entries.items():
+                entries[key] = from_copying(value)
         # An optimizer pickled by an earlier version lacks what later ones added.
         for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict),
                             ("_checked_groups", dict)):
@@ -214,8 +216,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self.defaults.setdefault(key, value)
             for group in self.param_groups:
                 group.setdefault(key, value)
-        for group in self.param_groups:
-            self._stack_selection_state(group, from_state=True)
+        if "defaults" in state:  # unpickled or copied (torch.optim's load_state_dict also lands here)
+            for group in self.param_groups:  # state standing alone (an older pickle) is stacked again
+                self._stack_selection_state(group, from_state=True)
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -10,6 +10,9 @@ those ops run once for the batch, with the same elementwise arithmetic and row r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -40,3 +43,34 @@ def restack(tensors: list[Tensor]) -> list[Tensor]:
 def stands_alone(t: Tensor) -> bool:
     """Whether ``t`` is the whole of its storage (not a view into a stack)."""
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class StackView:
+    """How a view into a stack is pickled or deep-copied: the stack itself (one object for all of its
+    views, so pickle's and deepcopy's memo write and copy it once) and where in it the view lies.
+    (A tensor view pickles its whole storage, once per view.)"""
+
+    base: Tensor
+    offset: int  # elements from the start of ``base``
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def view(self) -> Tensor:
+        return self.base.as_strided(self.shape, self.stride, self.base.storage_offset() + self.offset)
+
+
+def for_copying(value: Any) -> Any:
+    """A state entry as ``__getstate__`` hands it over: a view into a stack as a ``StackView``, another
+    view of part of a storage as a copy of its own; anything else as it is."""
+    if type(value) is not Tensor or stands_alone(value):
+        return value
+    base = value._base
+    if type(base) is Tensor and base._base is None:
+        return StackView(base, value.storage_offset() - base.storage_offset(), tuple(value.shape), value.stride())
+    return value.clone()
+
+
+def from_copying(value: Any) -> Any:
+    """The inverse of ``for_copying`` (after unpickling or deep-copying)."""
+    return value.view() if isinstance(value, StackView) else value

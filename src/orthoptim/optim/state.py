@@ -405,11 +405,15 @@ class StateKeeping:
             group["lr"] = keep(old["lr"], group["lr"])
         # A loaded tensor may be a view of the held ones themselves (this optimizer's own state_dict(),
         # its entries permuted): copied first, or one copy would overwrite the source of a later one.
-        held_storages = {t.untyped_storage().data_ptr() for old in held.values() for t in old.values()
-                         if type(t) is Tensor}
-        for p in held:
+        # (A held tensor torch.optim left in place, as it does for a state dict of this optimizer's own
+        # dtypes and devices, is never written: it needs no copy.)
+        def storage(t: Tensor) -> int:
+            return local_tensor(t).untyped_storage().data_ptr()
+
+        held_storages = {storage(t) for old in held.values() for t in old.values() if isinstance(t, Tensor)}
+        for p, old in held.items():
             for key, value in self.state[p].items():
-                if type(value) is Tensor and value.untyped_storage().data_ptr() in held_storages:
+                if isinstance(value, Tensor) and value is not old.get(key) and storage(value) in held_storages:
                     self.state[p][key] = value.clone()
         for p, old_state in held.items():
             state = self.state[p]
