@@ -259,3 +259,22 @@ def test_on_a_gpu_stacked_steps_are_the_per_matrix_steps(monkeypatch, name):
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b)  # random rows: no near-tie, the same rows selected
+
+
+def test_loading_copies_into_the_stacks_without_restacking(monkeypatch):
+    """torch.optim's load_state_dict calls __setstate__ too: restacking there built a throwaway stack
+    (a copy of the whole state) before the values were copied into the held one."""
+    params = _model()
+    opt = _optimizer("dion3", params)
+    _grads(params, 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    for entry in saved["state"].values():  # standalone tensors, as a checkpoint saved without stacks has
+        for key, value in entry.items():
+            entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    restacked = []
+    monkeypatch.setattr(base, "restack", lambda tensors: restacked.append(len(tensors)) or [])
+    held = [opt.state[p]["momentum"] for p in params[:3]]
+    opt.load_state_dict(saved)
+    assert restacked == []
+    assert all(opt.state[p]["momentum"] is m for p, m in zip(params[:3], held))
