@@ -201,8 +201,9 @@ def test_loading_its_own_state_dict_permuted_moves_each_state_once():
 
 
 def test_pickling_writes_each_state_once_and_unpickles_stacked():
-    """pickle writes a view's whole storage: the optimizer pickles its stacked state entry by entry
-    (as large as unstacked state) and stacks it again when unpickled, continuing bit-identically."""
+    """pickle writes a view's whole storage, once per view: the optimizer pickles each stack once, with
+    where each view lies in it (as large as unstacked state), and unpickles stacked, continuing
+    bit-identically."""
     params = _model()
     opt = _optimizer("dion3", params)
     _grads(params, 0)
@@ -278,3 +279,30 @@ def test_loading_copies_into_the_stacks_without_restacking(monkeypatch):
     opt.load_state_dict(saved)
     assert restacked == []
     assert all(opt.state[p]["momentum"] is m for p, m in zip(params[:3], held))
+
+
+def test_standalone_state_of_an_older_pickle_is_stacked_when_unpickled():
+    """An optimizer pickled before its state was stacked hands over standalone tensors."""
+    params = _model()
+    opt = _optimizer("dion3", params)
+    _grads(params, 0)
+    opt.step()
+    state = opt.__getstate__()
+    state["state"] = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+                      for p, entry in opt.state.items()}
+    restored = object.__new__(type(opt))
+    restored.__setstate__(state)
+    assert stacked_view([restored.state[p]["momentum"] for p in params[:3]]) is not None
+    assert stacked_view([restored.state[p]["variance"] for p in params[:3]]) is not None
+    for p in params:
+        for key, value in opt.state[p].items():
+            assert torch.equal(restored.state[p][key], value), key
+
+
+def test_a_state_tensor_that_views_another_buffer_is_copied_alone():
+    """A momentum replaced by hand with a view of a big buffer: pickled as its own copy, not the buffer."""
+    params = _model()
+    opt = _optimizer("dion3", params)
+    big = torch.zeros(1 << 20)
+    opt.state[params[0]]["momentum"] = big[: 16 * 24].view(16, 24)
+    assert len(pickle.dumps(opt)) < 2 * sum(p.numel() * p.element_size() for p in params) + (1 << 19)

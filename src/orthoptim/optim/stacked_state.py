@@ -65,8 +65,9 @@ def for_copying(value: Any) -> Any:
     view of part of a storage as a copy of its own; anything else as it is."""
     if type(value) is not Tensor or stands_alone(value):
         return value
-    base = value._base
-    if type(base) is Tensor and base._base is None:
+    base = value._base  # the root of a view chain
+    # A stack as the library makes one ([B, *shape], unbound); a view of another buffer goes as a copy.
+    if type(base) is Tensor and base.dtype == value.dtype and tuple(base.shape[1:]) == tuple(value.shape):
         return StackView(base, value.storage_offset() - base.storage_offset(), tuple(value.shape), value.stride())
     return value.clone()
 
