@@ -5,7 +5,7 @@
 Whole steps of small GPT models (``orthoptim.train.model.GPT``, LAYERSxWIDTH, every parameter with a
 fixed gradient), where a step is dispatch-bound: the same optimizer twice in one process, stepping in
 turn (``benchmarks/paired.py``'s ``paired_times``), one with batched row selection
-(``optim.stacked_state``), one with ``_stacked_selection_state`` turned off, so that its batches take
+(``optim.stacked_state``), one with ``_selection_stacks`` turned off, so that its batches take
 the per-matrix ops. Reported: both medians and the median of the per-pair ratios stacked/per-matrix
 with its interquartile range. A benchmark, not a test: quote the ratios of one run.
 """
@@ -46,17 +46,17 @@ def stepper(name: str, layers: int, width: int, stacked: bool) -> Callable[[], N
     for p in model.parameters():
         p.grad = 0.01 * torch.randn(p.shape, generator=gen)
     opt = OPTIMIZERS[name](orthoptim.param_groups(model), lr=0.01)
-    own = base.OrthonormalOptimizer._stacked_selection_state
+    own = base.OrthonormalOptimizer._selection_stacks
 
     def step() -> None:
         if stacked:
             opt.step()
             return
-        base.OrthonormalOptimizer._stacked_selection_state = lambda *_: None
+        base.OrthonormalOptimizer._selection_stacks = lambda *_: None
         try:
             opt.step()
         finally:
-            base.OrthonormalOptimizer._stacked_selection_state = own
+            base.OrthonormalOptimizer._selection_stacks = own
     return step
 
 

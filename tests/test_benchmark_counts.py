@@ -463,11 +463,11 @@ def test_counting_works_with_stderr_closed(closed):
 
 def test_the_stacked_state_benchmark_times_both_sides_and_restores_the_method(tmp_path, capsys):
     bench = _benchmark("stacked_state.py", "stacked_state_benchmark")
-    own = base.OrthonormalOptimizer._stacked_selection_state
+    own = base.OrthonormalOptimizer._selection_stacks
     out = tmp_path / "stacked.json"
     assert bench.main(["--models", "1x16", "--optimizers", "dion3", "--steps", "2", "--warmup", "1",
                        "--json", str(out)]) == 0
     assert "| 1x16 | dion3 |" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
     assert len(row["stacked_ms"]) == len(row["per_matrix_ms"]) == 2 and row["ratio_median"] > 0
-    assert base.OrthonormalOptimizer._stacked_selection_state is own
+    assert base.OrthonormalOptimizer._selection_stacks is own

@@ -69,7 +69,7 @@ def _run(name, dtype, stacked, monkeypatch, steps=5, skip_at=None):
     opt = _optimizer(name, params)
     with monkeypatch.context() as mp:
         if not stacked:
-            mp.setattr(base.OrthonormalOptimizer, "_stacked_selection_state", lambda *_: None)
+            mp.setattr(base.OrthonormalOptimizer, "_selection_stacks", lambda *_: None)
         for t in range(steps):
             _grads(params, t, skip=(1,) if t == skip_at else ())
             opt.step()
@@ -251,7 +251,7 @@ def test_on_a_gpu_stacked_steps_are_the_per_matrix_steps(monkeypatch, name):
         opt = cls(params, lr=0.02, fraction=0.3)
         with monkeypatch.context() as mp:
             if not stacked:
-                mp.setattr(base.OrthonormalOptimizer, "_stacked_selection_state", lambda *_: None)
+                mp.setattr(base.OrthonormalOptimizer, "_selection_stacks", lambda *_: None)
             for _ in range(3):
                 for p in params:
                     p.grad = torch.randn(p.shape, generator=gen).cuda()

@@ -578,23 +578,28 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                                  beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                  finish=finish, **common)
         elif algorithm == "dion2":
-            stacked = self._stacked_selection_state(batch, ("momentum",)) if select is None else None
+            stacked = self._selection_stacks(batch, ("momentum",)) if select is None else None
             dim = 0 if layout in ("row_sharded", "column_sharded") else None
             rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
                                dim=dim, select=select, stacked=stacked[0] if stacked else None, **common)
         else:
-            stacked = self._stacked_selection_state(batch, ("momentum", "variance")) if select is None else None
+            stacked = self._selection_stacks(batch, ("momentum", "variance")) if select is None else None
             rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
                                beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                finish=finish, select=select, stacked=stacked, **common)
 
-    def _stacked_selection_state(self, batch: list[_Matrix], keys: tuple[str, ...]) -> tuple[Tensor, ...] | None:
+    @property
+    def _communicates(self) -> bool:
+        """Whether steps run collectives (a distributed_mesh, or Dion's replicate_mesh)."""
+        return self._process_group is not None or self._replicate_group is not None
+
+    def _selection_stacks(self, batch: list[_Matrix], keys: tuple[str, ...]) -> tuple[Tensor, ...] | None:
         """The batch's state ``keys`` (momenta [B, m, n], Dion3's variances [B, m]) as views of one
         tensor each, where they are a run of a stack (``_stack_selection_state``) or the equally spaced
         matrices of one 3-D parameter; else None, and the per-matrix ops run. Only where the batched
         ops reduce as the per-matrix ones do: contiguous matrices, on CPUs of at most
         ``selection.L1_CHUNK_ELEMENTS`` elements (``l1_norms`` sums larger ones block by block)."""
-        if batch[0].layout != "replicated" or self._process_group is not None or self._replicate_group is not None:
+        if batch[0].layout != "replicated" or self._communicates:
             return None
         fields = {"momentum": "momentum", "variance": "extra"}
         stacks = [stacked_view([getattr(m, fields[key]) for m in batch]) for key in keys]
@@ -612,8 +617,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         there, standing alone (an unpickled copy), and is copied into stacks. Not for sharded or
         communicated layouts, parameters of several matrices, or on CPUs matrices of more than
         ``selection.L1_CHUNK_ELEMENTS`` elements (their block-by-block passes beat batched ones)."""
-        if group["algorithm"] not in ("dion2", "dion3") or self._process_group is not None \
-                or self._replicate_group is not None:
+        if group["algorithm"] not in ("dion2", "dion3") or self._communicates:
             return
         keys = ("momentum", "variance") if group["algorithm"] == "dion3" else ("momentum",)
 
@@ -708,8 +712,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         the step's transient memory near 1.25x the batch. Row-selecting rules orthogonalize ``fraction``
         of it: ceil(4·fraction) parts (none at f ≤ 1/4), so their batched calls stay as large as they can.
         Each part still has at least ``CHUNK_MIN_ELEMENTS`` elements to orthogonalize."""
-        communicates = self._process_group is not None or self._replicate_group is not None
-        if communicates or algorithm == "dion" or batch[0].layout != "replicated":
+        if self._communicates or algorithm == "dion" or batch[0].layout != "replicated":
             return [batch]
         share = fraction if algorithm in ("dion2", "dion3") else 1.0
         work = share * sum(m.param.numel() for m in batch)

@@ -4,8 +4,9 @@ Each parameter owns its state tensors, so the B matrices of a megabatch have B s
 and Dion2/Dion3's row selection (M ← M + G with the rows' norms, the gather of the selected rows,
 their error-feedback decay, the variance rows) costs a few small ops per matrix: on a GPU B kernel
 launches each, on a CPU B dispatches, which for small matrices cost more than the arithmetic.
-Once the B state tensors are views of one [B, ...] buffer (``restack``: one copy, the first time),
-those ops run once for the batch, with the same elementwise arithmetic and row reductions.
+Once the B state tensors are views of one [B, ...] buffer (made as zeros when the group is added;
+``restack`` copies standalone state of an older pickle into one), those ops run once for the batch,
+with the same elementwise arithmetic and row reductions.
 """
 
 from __future__ import annotations

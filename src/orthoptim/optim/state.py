@@ -348,7 +348,7 @@ class StateKeeping:
         # Capturable: every tensor a captured graph may hold; else the state tensors in a stack
         # (``stacked_state``), which stay views of it.
         held = {p: (dict(self.state[p]) if self.capturable else
-                    {k: v for k, v in self.state[p].items() if isinstance(v, Tensor) and not stands_alone(v)})
+                    {k: v for k, v in self.state[p].items() if type(v) is Tensor and not stands_alone(v)})
                 for p in params if p in self.state}
         self._warn_reordered_names(state_dict)
         super().load_state_dict(state_dict)
