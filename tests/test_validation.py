@@ -967,3 +967,42 @@ def test_steady_betas_are_not_warned_about():
                 p.grad = torch.randn_like(p)
             opt.step()
             schedule.step()
+
+
+def _lion_for_norms(name: str):
+    """live_optimizer's groups with the norm's parameters in a Lion group of their own (group 3)."""
+    model, opt = live_optimizer(name)
+    norms = [p for n, p in model.named_parameters() if n.startswith("norm.")]
+    opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"] if all(p is not q for q in norms)]
+    opt.add_param_group({"params": norms, "algorithm": "lion"})
+    return model, opt
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_a_tensor_lr_on_another_device_is_refused_before_any_group_steps(name):
+    """Read by its device, not its value (reading a GPU lr would sync): on another device than the
+    parameters', the fused AdamW kernel raised after the step counts had moved, a matrix rule raised
+    with its momenta updated and the parameters not, and Lion stepped with garbage (meta has no data)."""
+    model, opt = _lion_for_norms(name)
+    for index in range(len(opt.param_groups)):
+        set_grads(model, 3)
+        before = snapshot(model, opt)  # with the lr as it was: a meta tensor cannot be compared
+        saved = opt.param_groups[index]["lr"]
+        opt.param_groups[index]["lr"] = torch.tensor(0.02, device="meta")
+        with raises_naming(ValueError, f"lr in param group {index} (at step time)", "meta", "cpu",
+                           "put the lr on their device"):
+            opt.step()
+        opt.param_groups[index]["lr"] = saved
+        assert_unchanged(before, model, opt)
+    opt.step()  # and steps again once it is back
+    with raises_naming(ValueError, "lr in the optimizer's defaults", "meta"):
+        CLASSES[name](make_model().parameters(), lr=torch.tensor(0.02, device="meta"))
+    with raises_naming(ValueError, f"lr in param group {len(opt.param_groups)}", "meta", "parameters' device"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "algorithm": "adamw",
+                             "lr": torch.tensor(0.02, device="meta")})
+    groups = len(opt.param_groups)
+    with raises_naming(ValueError, f"lr in param group {groups}", "on cpu", "parameters are on meta"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, device="meta"))], "algorithm": "adamw",
+                             "lr": torch.tensor(0.02)})
+    assert len(opt.param_groups) == groups
+

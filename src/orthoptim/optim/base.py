@@ -144,6 +144,28 @@ def _refuse_a_set(params: Any, what: str) -> None:
                         "dict and Dion's initial factors); pass a list")
 
 
+def _check_lr_device(lr: Any, params: list[Any], where: str) -> None:
+    """A tensor lr lives on its group's parameters' device (read by device, not by value: no sync). On
+    another one the rules' kernels would fail half-way through a step, or, for a device without data
+    (meta), compute garbage. Not moved there: a schedule the caller runs by filling their own tensor
+    would then fill a tensor the step no longer reads."""
+    if not isinstance(lr, Tensor):
+        return
+    devices = sorted({str(p.device) for p in params if isinstance(p, Tensor)})
+    if devices and devices != [str(lr.device)]:
+        raise ValueError(
+            f"lr in {where} is a tensor on {lr.device}, but the group's parameters are on {', '.join(devices)}; "
+            f"put the lr on their device (torch.tensor({_lr_text(lr)}, device='{devices[0]}')), "
+            "keep one device per group, or pass a float")
+
+
+def _lr_text(lr: Tensor) -> str:
+    try:
+        return repr(float(lr))
+    except (RuntimeError, NotImplementedError):  # no data to read (meta)
+        return "0.02"
+
+
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
     return lambda *args: fn(*args)[0]
 
@@ -271,6 +293,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._warn_rows_for_tall(merged, [(p, label) for (_, p), label in zip(named, labels)], index)
         if self.capturable:  # before the group is added: a refused group must leave no trace
             self._check_one_device([p for _, p in named], index)
+        else:
+            _check_lr_device(merged["lr"], [p for _, p in named], f"param group {index}")
         # torch.optim wants all groups with param_names or none: a group without them next to named ones
         # (param_groups() names its groups) gets its labels, and the reverse names the earlier groups.
         named_before = [("param_names" in g) for g in self.param_groups]
@@ -342,6 +366,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         if isinstance(lr, Tensor) and lr.ndim == 0 and lr.is_floating_point():  # others: refused below
             readable = lr.device.type == "cpu" and not self.capturable and not torch.compiler.is_compiling()
             lr = lr.item() if readable else 0.0
+            _check_lr_device(group["lr"], group["params"], where)
         validate_group({**group, "lr": lr}, where)
         self._check_capturable_options(group, where)
         self._warn_cycled_betas(group, index)

@@ -55,7 +55,11 @@ def readers_of(key: str) -> list[str]:
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     value = group[key]
     if key == "lr" and isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
-        value = float(value)  # a tensor learning rate (capturable steps, schedulers that fill it in place)
+        try:  # a tensor learning rate (capturable steps, schedulers that fill it in place)
+            value = float(value)
+        except (RuntimeError, NotImplementedError):
+            raise ValueError(f"lr in {where} is a tensor on {value.device}, which holds no value to check; "
+                             "put it on the parameters' device") from None
     # numbers.Real admits NumPy scalars (np.float32 is no Python float); bools are refused.
     if key == "lr" and isinstance(value, torch.Tensor):
         raise ValueError(f"lr={value!r} in {where} must be a finite number or a 0-dim floating-point tensor "
