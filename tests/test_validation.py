@@ -1006,3 +1006,36 @@ def test_a_tensor_lr_on_another_device_is_refused_before_any_group_steps(name):
                              "lr": torch.tensor(0.02)})
     assert len(opt.param_groups) == groups
 
+
+@pytest.mark.parametrize("where", ["same group", "another group"])
+def test_a_parameter_put_into_a_group_again_by_hand_is_refused_at_step_time(where):
+    """add_param_group refuses a parameter it already has; one appended to group['params'] by hand
+    was stepped twice (twice its update, or a Muon and an AdamW update)."""
+    model, opt = live_optimizer("muon")
+    weight = opt.param_groups[1]["params"][0]
+    opt.param_groups[1 if where == "same group" else 0]["params"].append(weight)
+    set_grads(model, 3)
+    before = snapshot(model, opt)
+    fragments = ["lin.weight twice"] if where == "same group" else ["param group 0", "so does param group 1"]
+    with raises_naming(ValueError, "(at step time)", *fragments, "remove the copy"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+    opt.param_groups[1 if where == "same group" else 0]["params"].pop()
+    opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64], ids=str)
+def test_a_gradient_of_a_non_float_dtype_is_refused_by_name(dtype):
+    """torch lets a gradient of any dtype through once p.grad_dtype is None: an integer one was
+    stepped with, a complex one failed inside the finite check without a name."""
+    model, opt = live_optimizer("dion3")
+    weight = model.lin.weight
+    if not hasattr(weight, "grad_dtype"):
+        pytest.skip("this torch checks a gradient's dtype itself (no p.grad_dtype)")
+    set_grads(model, 3)
+    weight.grad_dtype = None
+    weight.grad = weight.grad.to(dtype)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, "lin.weight", str(dtype), "real floating point"):
+        opt.step()
+    assert_unchanged(before, model, opt)

@@ -382,12 +382,22 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                      list(map(Tensor.is_contiguous, params)), list(map(_dtype_of, params)))
         if self._checked_groups.get(index) == signature:
             return
+        # A parameter put into a list by hand a second time would take two updates (two rules' if the
+        # lists are two groups'); add_param_group refuses that, and so does a step.
+        elsewhere = {p: j for j, g in enumerate(self.param_groups) if j != index for p in g["params"]}
+        seen: set[Tensor] = set()
         for p in params:
             if isinstance(p, Tensor) and p not in self._positions:
                 raise ValueError(
                     f"param group {index} holds a parameter of shape {tuple(p.shape)} that was put into "
                     "group['params'] directly; add parameters with optimizer.add_param_group({'params': [...]}), "
                     "which checks them and creates their state")
+            if p in seen or p in elsewhere:
+                where_else = f", and so does param group {elsewhere[p]}" if p in elsewhere else " twice"
+                raise ValueError(
+                    f"param group {index} (at step time) holds {self.param_name(p)}{where_else}: it would take two "
+                    "updates; remove the copy from group['params'] (each parameter belongs to one group, once)")
+            seen.add(p)
             self._check_param(p, group, self.param_name(p))
             self._check_state_shapes(p, group)
         self._checked_groups[index] = signature

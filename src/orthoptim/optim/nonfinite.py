@@ -109,8 +109,14 @@ class GradientChecks:
             if p.grad.shape != p.shape:
                 raise ValueError(
                     f"parameter {self.param_name(p)} has shape {tuple(p.shape)} but its gradient has "
-                    f"shape {tuple(p.grad.shape)}"
+                    f"shape {tuple(p.grad.shape)}; a gradient set by hand must have its parameter's shape"
                 )
+            if not p.grad.is_floating_point():
+                # torch lets any dtype through once p.grad_dtype is None; an integer gradient would be
+                # stepped with, a complex one fails inside the verdict's reduction.
+                raise ValueError(
+                    f"parameter {self.param_name(p)} has a gradient of dtype {p.grad.dtype}; gradients must be "
+                    f"real floating point (set p.grad_dtype = p.dtype, or convert the gradient before the step)")
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [local_tensor(p.grad) for p in params]
         # A rank whose parameters have no gradients this step still takes part in the verdict.
