@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import math
@@ -442,6 +443,54 @@ def test_state_of_other_shapes_is_refused_naming_the_parameter(options, saved_sh
     with pytest.raises(ValueError, match=rf"parameter w0: the loaded state '{key}' has shape"):
         target.load_state_dict(source.state_dict())
     _assert_state_equal(before, _state_copy(target))
+
+
+@pytest.mark.parametrize(("options", "key", "value", "what"), [
+    ({}, "variance", [[0.0] * 16] * 8, "a list"),  # made the load half-happen: options in, stacks broken
+    ({}, "momentum", None, "a NoneType"),
+    ({"algorithm": "dion2"}, "momentum", torch.zeros(8, 16, dtype=torch.int64), "a torch.int64 tensor"),
+    ({"algorithm": "adamw"}, "exp_avg", None, "a NoneType"),
+    ({"algorithm": "adamw"}, "step", "3", "a str"),
+    ({"algorithm": "adamw"}, "step", torch.tensor(True), "a torch.bool tensor"),
+], ids=["variance-list", "momentum-none", "momentum-int", "exp_avg-none", "step-str", "step-bool"])
+def test_state_entries_a_step_cannot_use_are_refused_before_anything_loads(options, key, value, what):
+    """torch.optim loads any value; a step then failed half-way (after the AdamW group had stepped)."""
+    shapes = [(8, 16), (8, 16)] if options.get("algorithm") != "adamw" else [(8,), (8,)]
+    source, _ = _trained(orthoptim.Dion3, shapes, **options)
+    target, params = _trained(orthoptim.Dion3, shapes, lr=0.5, **options)
+    saved = source.state_dict()
+    saved["param_groups"][0]["lr"] = 0.1
+    saved["state"][1][key] = value
+    before = _state_copy(target)
+    views = [target.state[p].get("momentum") for p in params]
+    with pytest.raises(ValueError, match=rf"parameter w1: the loaded state '{key}' is {re.escape(what)}"):
+        target.load_state_dict(saved)
+    _assert_state_equal(before, _state_copy(target))
+    assert target.param_groups[0]["lr"] == 0.5  # the refused dict's options are not taken either
+    assert all(target.state[p].get("momentum") is v for p, v in zip(params, views))
+
+
+@pytest.mark.parametrize("step", [3, 3.0, torch.tensor(3), torch.tensor([3.0])], ids=["int", "float", "int64", "[1]"])
+def test_a_step_count_saved_as_another_number_loads_as_the_fp32_count(step):
+    """AdamW's count as another library or version may write it: the 0-dim fp32 tensor the step keeps
+    (an int64 tensor stopped the step half-way; a Python number raised inside it)."""
+    source, _ = _trained(orthoptim.Dion3, [(8,), (8,)], algorithm="adamw")
+    source.step()
+    source.step()
+    saved = source.state_dict()
+    assert float(saved["state"][0]["step"]) == 3.0
+    targets = []
+    for count in (saved["state"][0]["step"], step):
+        torch.manual_seed(1)
+        target, params = _trained(orthoptim.Dion3, [(8,), (8,)], algorithm="adamw")
+        loading = copy.deepcopy(saved)  # an in-memory load shares tensors with the dict, as torch.optim's does
+        loading["state"][0]["step"] = count
+        target.load_state_dict(loading)
+        loaded = target.state[params[0]]["step"]
+        assert (loaded.dtype, loaded.shape, loaded.device.type, float(loaded)) == (torch.float32, (), "cpu", 3.0)
+        target.step()  # the gradients _trained left
+        targets.append(params)
+    assert all(torch.equal(a, b) for a, b in zip(*targets))
 
 
 def test_dion_factor_of_another_rank_is_refused_at_load():

@@ -10,6 +10,7 @@ momenta over ``replicate_mesh`` when one is taken (``ShardedParameters.synchroni
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -259,6 +260,33 @@ class StateKeeping:
                         f"{merged['algorithm']} needs {needs} for this parameter of shape {tuple(p.shape)}; "
                         "the state dict was saved for other parameters (or other group options) than "
                         "this optimizer's, in this order")
+                bad_entry = self._malformed_state(p, merged, saved_state.get(i, {}))
+                if bad_entry is not None:
+                    key, what = bad_entry
+                    raise ValueError(
+                        f"parameter {label}: the loaded state {key!r} is {what}, where {merged['algorithm']} keeps "
+                        + ("a step count (a number or a one-element tensor)" if key == "step" else
+                           "a floating-point tensor") + "; the state dict was not saved by this optimizer, or "
+                        "was edited since")
+
+    def _malformed_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> tuple[str, str] | None:
+        """The first entry of ``state`` that the step could not use: a non-tensor (or an integer tensor)
+        where a state tensor belongs, a step count that is no real number. torch.optim loads anything;
+        the step would then fail half-way (after other groups stepped). (key, what it is)."""
+        for key in self._expected_state_shapes(p, group):
+            if key not in state:
+                continue
+            value = state[key]
+            if key == "step":
+                number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+                if number or (isinstance(value, Tensor) and value.numel() == 1 and value.dtype != torch.bool
+                              and not value.is_complex()):
+                    continue
+            elif isinstance(value, Tensor) and value.is_floating_point():
+                continue
+            what = f"a {value.dtype} tensor" if isinstance(value, Tensor) else f"a {type(value).__name__}"
+            return key, what
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's state dict, with each callable orthogonalizer written as its name (see
@@ -381,6 +409,11 @@ class StateKeeping:
             variance = saved.get(i, {}).get("variance")
             if variance is not None:
                 self.state[p]["variance"] = variance.to(device=p.device, dtype=row_state_dtype(p), copy=True)
+            step = self.state[p].get("step")
+            if step is not None and not (isinstance(step, Tensor) and step.ndim == 0 and step.dtype == torch.float32):
+                # A count saved as a number, an integer or a [1] tensor: the fp32 0-dim tensor AdamW keeps.
+                device = step.device if isinstance(step, Tensor) else "cpu"  # host counts, as _init_state's
+                self.state[p]["step"] = torch.as_tensor(step, dtype=torch.float32, device=device).reshape(())
             if self.capturable and "step" in self.state[p]:  # read on the device by a capturable step
                 self.state[p]["step"] = self.state[p]["step"].to(device=local_tensor(p).device, dtype=torch.float32)
         if self.capturable:
