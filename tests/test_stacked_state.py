@@ -3,6 +3,8 @@ gives the per-matrix ops' numbers bit for bit, and the stacks survive what an op
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import pickle
 
@@ -306,3 +308,60 @@ def test_a_state_tensor_that_views_another_buffer_is_copied_alone():
     big = torch.zeros(1 << 20)
     opt.state[params[0]]["momentum"] = big[: 16 * 24].view(16, 24)
     assert len(pickle.dumps(opt)) < 2 * sum(p.numel() * p.element_size() for p in params) + (1 << 19)
+
+
+@pytest.mark.parametrize("how", ["clear", "new dict"])
+@pytest.mark.parametrize("name", ["dion3", "dion2"])
+def test_state_reset_by_hand_is_made_again_in_stacks(monkeypatch, name, how):
+    """opt.state.clear() (or a fresh dict) between steps: the next step makes the state again as one
+    stack, as the constructor did (it used to make each tensor alone, and the batched selection was
+    gone for good), and continues as a fresh optimizer would from the same parameters."""
+    calls = _spy_on_batched_norms(monkeypatch)
+    params = _model()
+    opt = _optimizer(name, params)
+    for t in range(2):
+        _grads(params, t)
+        opt.step()
+    if how == "clear":
+        opt.state.clear()
+    else:
+        opt.state = collections.defaultdict(dict)
+    fresh_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = _optimizer(name, fresh_params)
+    counts = {id(opt): 0, id(fresh): 0}
+    for t in range(2, 4):
+        for ps, o in ((params, opt), (fresh_params, fresh)):
+            _grads(ps, t)
+            calls.clear()
+            o.step()
+            counts[id(o)] += len(calls)
+    assert counts[id(fresh)] > 0 and counts[id(opt)] == counts[id(fresh)], "no batched selection after the reset"
+    assert stacked_view([opt.state[p]["momentum"] for p in params[:3]]) is not None
+    for x, y in zip(params, fresh_params, strict=True):
+        assert torch.equal(x, y)
+        for key, value in opt.state[x].items():
+            assert torch.equal(value, fresh.state[y][key]), key
+
+
+def test_no_step_state_follows_the_default_device():
+    """Under ``with torch.device(...)`` or torch.set_default_device, the state and scratch of CPU
+    parameters stay on the CPU: Dion's initial factors came from a CPU generator onto the default
+    device (an error for a CUDA default), the row selection's scratch was made there. A default
+    device without data (meta) makes any tensor that follows it fail or compute nothing."""
+    results = {}
+    for default in (None, "meta"):
+        params = _model()
+
+        def under_default(default=default):
+            return torch.device(default) if default else contextlib.nullcontext()
+        with under_default():
+            opts = [_optimizer("dion3", params[:3] + params[-1:]),
+                    orthoptim.Dion([{"params": params[3:5]}], lr=0.02, rank_fraction=0.5)]
+        for t in range(2):
+            _grads(params, t)
+            with under_default():
+                for o in opts:
+                    o.step()
+        results[default] = [p.detach().clone() for p in params]
+    for x, y in zip(results[None], results["meta"], strict=True):
+        assert torch.equal(x, y)

@@ -489,6 +489,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for group, params in work:
             if not params:
                 continue
+            # State cleared by hand (opt.state.clear()) is made again in stacks, not one tensor each.
+            selects = group["algorithm"] in ("dion2", "dion3")
+            if selects and any("momentum" not in self.state.get(p, ()) for p in params):
+                self._stack_selection_state(group)
             for p in params:
                 self._init_state(p, group)
             if group["algorithm"] in MATRIX_ALGORITHMS:

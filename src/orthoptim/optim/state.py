@@ -128,7 +128,8 @@ class StateKeeping:
             if "Q" not in state:
                 self._state_transposed[p] = group["transpose"]
                 gen = torch.Generator().manual_seed(DION_Q_SEED + self._positions[p])
-                q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32), group["epsilon"])
+                q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu"),
+                                      group["epsilon"])
                 state["Q"] = q.to(device=p.device, dtype=p.dtype)
 
     def _row_state(self, p: Tensor, group: dict[str, Any]) -> Tensor:

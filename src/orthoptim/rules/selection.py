@@ -52,8 +52,8 @@ def l1_norms(momenta: list[Tensor], dim: int, add: list[Tensor] | None = None) -
         return torch.stack([torch.linalg.vector_norm(m, 1, dim=1 - dim, dtype=acc) for m in momenta])
     rows, cols = m0.shape
     step = max(1, L1_CHUNK_ELEMENTS // max(cols, 1))
-    scratch = torch.empty((min(step, rows), cols), dtype=m0.dtype)
-    norms = torch.zeros((len(momenta), rows if dim == 0 else cols), dtype=acc)
+    scratch = torch.empty((min(step, rows), cols), dtype=m0.dtype, device=m0.device)
+    norms = torch.zeros((len(momenta), rows if dim == 0 else cols), dtype=acc, device=m0.device)
     for m, g, out in zip(momenta, add if add is not None else repeat(None), norms):
         grad_blocks = g.split(step) if g is not None else repeat(None)
         for block, grad, rows_out in zip(m.split(step), grad_blocks, out.split(step) if dim == 0 else repeat(out)):
@@ -159,8 +159,8 @@ def accumulate_and_l1_norms_stacked_(stack: Tensor, momenta: list[Tensor], grads
     # formed a few matrices at a time in one small scratch.
     batch, rows, cols = stack.shape
     step = max(1, L1_CHUNK_ELEMENTS // max(rows * cols, 1))
-    scratch = torch.empty((min(step, batch), rows, cols), dtype=stack.dtype)
-    norms = torch.empty((batch, rows if dim == 0 else cols), dtype=acc)
+    scratch = torch.empty((min(step, batch), rows, cols), dtype=stack.dtype, device=stack.device)
+    norms = torch.empty((batch, rows if dim == 0 else cols), dtype=acc, device=stack.device)
     for start in range(0, batch, step):
         part = torch.abs(stack[start : start + step], out=scratch[: min(step, batch - start)])
         torch.sum(part, dim=reduced, dtype=acc, out=norms[start : start + step])
