@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -405,6 +406,19 @@ def test_float64_input_stays_float64():
         # The default for fp64 input is fp64 work: identical to asking for it, unlike fp32 work.
         assert torch.equal(y, fn(x, dtype=torch.float64))
         assert (y - fn(x, dtype=torch.float32)).abs().max().item() > 1e-9
+
+
+def test_float64_stays_float64_on_cuda_too_and_half_precision_is_cudas_default():
+    """The working dtype's rule for CUDA inputs, read off a stand-in (no GPU here): float64 work for
+    float64 inputs, the iteration's half-precision default for the others, an explicit dtype over both."""
+    from orthoptim.orthogonalize._common import working_dtype
+
+    def on_cuda(dtype):
+        return SimpleNamespace(is_cuda=True, dtype=dtype, device=torch.device("cuda"))
+    assert working_dtype(on_cuda(torch.float64), None, torch.float16) == torch.float64
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert working_dtype(on_cuda(dtype), None, torch.float16) == torch.float16
+    assert working_dtype(on_cuda(torch.float64), torch.bfloat16, torch.float16) == torch.bfloat16
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,16 +41,17 @@ class PolarFactors(NamedTuple):
 
 
 def working_dtype(x: Tensor, dtype: torch.dtype | None, cuda_default: torch.dtype) -> torch.dtype:
-    """The dtype the iteration runs in: explicit choice, else half precision on CUDA, on CPUs the
-    choice of ``kernels.cpu_dtype`` (bf16 where the CPU has bf16 matrix units, fp32 elsewhere),
-    fp32 on other devices. Float64 inputs stay float64 unless a dtype is given.
+    """The dtype the iteration runs in: explicit choice; else float64 for float64 inputs on every
+    device (fp64 parameters are chosen for precision, which a half-precision iteration would undo);
+    else half precision on CUDA, on CPUs the choice of ``kernels.cpu_dtype`` (bf16 where the CPU has
+    bf16 matrix units, fp32 elsewhere), fp32 on other devices.
     """
     if dtype is not None:
         return dtype
-    if x.is_cuda:
-        return cuda_default
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return x.dtype
+    if x.is_cuda:
+        return cuda_default
     return cpu_dtype.iteration_dtype() if x.device.type == "cpu" else torch.float32
 
 
