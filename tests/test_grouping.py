@@ -83,6 +83,27 @@ def assert_partition(model, groups):
 
 
 # ----------------------------------------------------------------------------- param_groups
+def test_frozen_layers_are_left_out_unless_included_and_then_train_once_unfrozen():
+    """Left out by default (a frozen layer takes no state; unfreezing it later trains nothing);
+    with include_frozen=True grouped as if trainable, and stepped once they have gradients."""
+    model = make()
+    assert not any("frozen" in row[0] for row in orthoptim.describe_assignment(model))
+    groups = orthoptim.param_groups(model, include_frozen=True)
+    assert group_of(groups, model.frozen.weight).get("algorithm") is None  # the optimizer's own rule
+    assert group_of(groups, model.frozen.bias)["algorithm"] == "adamw"
+    assert {"frozen.weight", "frozen.bias"} <= {row[0] for row in orthoptim.describe_assignment(model, True)}
+    opt = orthoptim.Dion3(groups, lr=0.02)
+    weight = model.frozen.weight.detach().clone()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) if p.requires_grad else None
+    opt.step()
+    assert torch.equal(model.frozen.weight, weight)  # frozen: no gradient, no step
+    model.frozen.requires_grad_(True)
+    model.frozen.weight.grad = torch.randn_like(weight)
+    opt.step()
+    assert not torch.equal(model.frozen.weight, weight)
+
+
 def test_untied_model_assignment():
     model = make()
     groups = orthoptim.param_groups(model)

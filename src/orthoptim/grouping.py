@@ -97,10 +97,10 @@ def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return owners
 
 
-def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
-    """id(param) → (kind, reason) for every trainable parameter; kinds: matrix, conv, conv_transpose,
-    in_out (stored [in, out]), qkv (a fused in_proj_weight), lstm_gates and gru_gates (a recurrent
-    layer's stacked gate weights) and scalar."""
+def _classify(model: nn.Module, include_frozen: bool = False) -> dict[int, tuple[str, str]]:
+    """id(param) → (kind, reason) for every trainable parameter (every one with ``include_frozen``);
+    kinds: matrix, conv, conv_transpose, in_out (stored [in, out]), qkv (a fused in_proj_weight),
+    lstm_gates and gru_gates (a recurrent layer's stacked gate weights) and scalar."""
     embeddings: dict[int, str] = {}
     vocabularies: dict[int, set[int]] = {}
     for mname, module in model.named_modules():
@@ -114,7 +114,7 @@ def _classify(model: nn.Module) -> dict[int, tuple[str, str]]:
         # A parametrized weight (weight_norm's direction, original1) counts as its owner's weight.
         owner, owned = owners.get(id(module), (module, None))
         for pname, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in kinds:
+            if (not p.requires_grad and not include_frozen) or id(p) in kinds:
                 continue
             if id(p) in embeddings:
                 tied = " (tied to the output head)" if id(p) in heads else ""
@@ -162,8 +162,14 @@ def param_groups(
     scalar_lr: float | None = None,
     scalar_weight_decay: float | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    include_frozen: bool = False,
 ) -> list[dict[str, Any]]:
     """Split ``model``'s trainable parameters into optimizer groups.
+
+    Parameters with ``requires_grad=False`` are left out (a frozen backbone takes no state), so a
+    layer frozen now is never trained, even once unfrozen: for gradual unfreezing pass
+    ``include_frozen=True`` (frozen parameters then get their state, and are skipped while they have
+    no gradient).
 
     - matrices (``nn.Linear`` weights, 3-D batches of matrices) → the optimizer's own rule
       (or ``algorithm`` when given); conv weights (also weight_norm's direction) → the same rule with
@@ -195,7 +201,7 @@ def param_groups(
         if not isinstance(options, Mapping):
             raise ValueError(f"overrides[{pattern!r}]={options!r} must be a dict of group options, "
                              "e.g. {'algorithm': 'adamw'} or {'split_sizes': [512, 128, 128]}")
-    kinds = _classify(model)
+    kinds = _classify(model, include_frozen)
     groups: dict[tuple, dict[str, Any]] = {}
     used_patterns: set[str] = set()
     seen: set[int] = set()
@@ -245,9 +251,10 @@ def param_groups(
     return list(groups.values())
 
 
-def describe_assignment(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, str]]:
-    """(name, shape, kind, reason) per trainable parameter: how ``param_groups`` decided."""
-    kinds = _classify(model)
+def describe_assignment(model: nn.Module, include_frozen: bool = False) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """(name, shape, kind, reason) per trainable parameter (every one with ``include_frozen``): how
+    ``param_groups`` decided."""
+    kinds = _classify(model, include_frozen)
     out = []
     seen: set[int] = set()
     for name, p in model.named_parameters():
