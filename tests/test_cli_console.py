@@ -59,3 +59,10 @@ def test_output_written_before_the_exit_is_flushed(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as by default
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert (done.returncode, done.stdout, done.stderr) == (4, "from main", "to stderr")
+
+
+@pytest.mark.parametrize("module", ["orthoptim", "orthoptim.cli"])
+def test_python_dash_m_runs_the_program(module):
+    done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("orthoptim ")

@@ -7,7 +7,7 @@ tensors; non-finite gradients are flagged rather than refused), then::
 
     step = orthoptim.CapturedStep(opt)
     for batch in data:
-        loss = model(batch).backward()   # gradients land in the same .grad tensors every step
+        model(batch).backward()          # gradients land in the same .grad tensors every step
         step()                           # eager warm-up steps, then capture, then replays
         opt.zero_grad(set_to_none=False)
         scheduler.step()                 # fills the lr tensors in place: the graph reads them
