@@ -366,7 +366,6 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         if isinstance(lr, Tensor) and lr.ndim == 0 and lr.is_floating_point():  # others: refused below
             readable = lr.device.type == "cpu" and not self.capturable and not torch.compiler.is_compiling()
             lr = lr.item() if readable else 0.0
-            _check_lr_device(group["lr"], group["params"], where)
         validate_group({**group, "lr": lr}, where)
         self._check_capturable_options(group, where)
         self._warn_cycled_betas(group, index)
@@ -378,10 +377,13 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # (~0.3 µs a parameter): a view (p.data = p.data.t()) keeps the storage but not the shape or strides.
         plain = set(map(type, params)) <= _PLAIN_TENSORS
         addresses = list(map(Tensor.data_ptr if plain else storage_address, params))
-        signature = (key, list(map(id, params)), addresses, list(map(Tensor.size, params)),
+        # A tensor lr replaced (or moved) since the last check is checked against the parameters' device.
+        lr_key = (id(group["lr"]), group["lr"].device) if isinstance(group["lr"], Tensor) else None
+        signature = (key, lr_key, list(map(id, params)), addresses, list(map(Tensor.size, params)),
                      list(map(Tensor.is_contiguous, params)), list(map(_dtype_of, params)))
         if self._checked_groups.get(index) == signature:
             return
+        _check_lr_device(group["lr"], params, where)
         # A parameter put into a list by hand a second time would take two updates (two rules' if the
         # lists are two groups'); add_param_group refuses that, and so does a step.
         elsewhere = {p: j for j, g in enumerate(self.param_groups) if j != index for p in g["params"]}
