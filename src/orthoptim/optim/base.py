@@ -17,7 +17,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import cache, lru_cache, partial
 from typing import Any
 
 import torch
@@ -161,9 +161,9 @@ def _check_lr_device(lr: Any, params: list[Any], where: str) -> None:
 
 def _lr_text(lr: Tensor) -> str:
     try:
-        return repr(float(lr))
+        return f"{lr.item():.6g}"
     except (RuntimeError, NotImplementedError):  # no data to read (meta)
-        return "0.02"
+        return "<the lr's value>"
 
 
 def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
@@ -349,7 +349,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 "optimizer.check_nonfinite() raises after the step) or set capturable=False"
             )
 
-    def _check_group_at_step(self, group: dict[str, Any], index: int) -> None:
+    def _check_group_at_step(self, group: dict[str, Any], index: int,
+                             owners: Callable[[], dict[Tensor, list[int]]]) -> None:
         """Before a step changes anything: the group's options as they are now (schedules and hand edits
         may have changed them), and what they mean for each parameter: its matrix view (num_heads,
         split_sizes, flatten, a matrix rule on a vector) and the shapes of the state it already has.
@@ -357,7 +358,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         storage, shape, contiguity or dtype differ from the group's last check: ``p.data = ...`` and
         ``model.to(...)`` (dtype, device, memory format) after the optimizer was built give a parameter
         new storage or another shape; a parameter put into the group by hand changes the list. This
-        runs every step, so it compares what Python reads cheaply."""
+        runs every step, so it compares what Python reads cheaply. ``owners()``: each parameter's group
+        indices (made once a step, by the first group that needs them)."""
         where = f"param group {index} (at step time)"
         # A tensor lr that a scheduler fills in place is read where that is free (a CPU tensor, eager
         # steps); on a GPU, or in a capturable or compiled step, reading it would sync with the device
@@ -377,8 +379,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # (~0.3 µs a parameter): a view (p.data = p.data.t()) keeps the storage but not the shape or strides.
         plain = set(map(type, params)) <= _PLAIN_TENSORS
         addresses = list(map(Tensor.data_ptr if plain else storage_address, params))
-        # A tensor lr replaced (or moved) since the last check is checked against the parameters' device.
-        lr_key = (id(group["lr"]), group["lr"].device) if isinstance(group["lr"], Tensor) else None
+        # A tensor lr on another device than at the last check is checked against the parameters' device
+        # (by device only: a fresh tensor each step, as some schedules assign, reruns nothing).
+        lr_key = group["lr"].device if isinstance(group["lr"], Tensor) else None
         signature = (key, lr_key, list(map(id, params)), addresses, list(map(Tensor.size, params)),
                      list(map(Tensor.is_contiguous, params)), list(map(_dtype_of, params)))
         if self._checked_groups.get(index) == signature:
@@ -386,20 +389,19 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         _check_lr_device(group["lr"], params, where)
         # A parameter put into a list by hand a second time would take two updates (two rules' if the
         # lists are two groups'); add_param_group refuses that, and so does a step.
-        elsewhere = {p: j for j, g in enumerate(self.param_groups) if j != index for p in g["params"]}
-        seen: set[Tensor] = set()
+        groups_of = owners()
         for p in params:
             if isinstance(p, Tensor) and p not in self._positions:
                 raise ValueError(
                     f"param group {index} holds a parameter of shape {tuple(p.shape)} that was put into "
                     "group['params'] directly; add parameters with optimizer.add_param_group({'params': [...]}), "
                     "which checks them and creates their state")
-            if p in seen or p in elsewhere:
-                where_else = f", and so does param group {elsewhere[p]}" if p in elsewhere else " twice"
+            if isinstance(p, Tensor) and len(groups_of[p]) > 1:
+                other = next((j for j in groups_of[p] if j != index), None)
+                where_else = f", and so does param group {other}" if other is not None else " twice"
                 raise ValueError(
                     f"param group {index} (at step time) holds {self.param_name(p)}{where_else}: it would take two "
                     "updates; remove the copy from group['params'] (each parameter belongs to one group, once)")
-            seen.add(p)
             self._check_param(p, group, self.param_name(p))
             self._check_state_shapes(p, group)
         self._checked_groups[index] = signature
@@ -479,11 +481,19 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
 
     def _step(self) -> None:
         """The step after the closure: every check, then each group's update."""
+        @cache
+        def owners() -> dict[Tensor, list[int]]:  # each parameter's groups, once per step, if a check needs it
+            found: dict[Tensor, list[int]] = {}
+            for j, g in enumerate(self.param_groups):
+                for p in g["params"]:
+                    if isinstance(p, Tensor):
+                        found.setdefault(p, []).append(j)
+            return found
         for index, group in enumerate(self.param_groups):
             # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
             # lr, a fraction above 1 or num_heads that do not divide the rows are refused here, before
             # any group is stepped, rather than half-way through the step.
-            self._check_group_at_step(group, index)
+            self._check_group_at_step(group, index, owners)
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         work = self._flag_nonfinite(work) if self.capturable else self._drop_nonfinite(work)
         if self._replicate_group is not None:
