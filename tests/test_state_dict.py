@@ -452,7 +452,8 @@ def test_state_of_other_shapes_is_refused_naming_the_parameter(options, saved_sh
     ({"algorithm": "adamw"}, "exp_avg", None, "a NoneType"),
     ({"algorithm": "adamw"}, "step", "3", "a str"),
     ({"algorithm": "adamw"}, "step", torch.tensor(True), "a torch.bool tensor"),
-], ids=["variance-list", "momentum-none", "momentum-int", "exp_avg-none", "step-str", "step-bool"])
+    ({"algorithm": "adamw"}, "step", torch.tensor(3.0, device="meta"), "a tensor on meta"),
+], ids=["variance-list", "momentum-none", "momentum-int", "exp_avg-none", "step-str", "step-bool", "step-meta"])
 def test_state_entries_a_step_cannot_use_are_refused_before_anything_loads(options, key, value, what):
     """torch.optim loads any value; a step then failed half-way (after the AdamW group had stepped)."""
     shapes = [(8, 16), (8, 16)] if options.get("algorithm") != "adamw" else [(8,), (8,)]

@@ -278,6 +278,8 @@ class StateKeeping:
             if key not in state:
                 continue
             value = state[key]
+            if isinstance(value, Tensor) and value.device.type == "meta":
+                return key, "a tensor on meta (which holds no values)"
             if key == "step":
                 number = isinstance(value, numbers.Real) and not isinstance(value, bool)
                 if number or (isinstance(value, Tensor) and value.numel() == 1 and value.dtype != torch.bool
@@ -411,12 +413,14 @@ class StateKeeping:
             if variance is not None:
                 self.state[p]["variance"] = variance.to(device=p.device, dtype=row_state_dtype(p), copy=True)
             step = self.state[p].get("step")
-            if step is not None and not (isinstance(step, Tensor) and step.ndim == 0 and step.dtype == torch.float32):
-                # A count saved as a number, an integer or a [1] tensor: the fp32 0-dim tensor AdamW keeps.
-                device = step.device if isinstance(step, Tensor) else "cpu"  # host counts, as _init_state's
+            # The fp32 0-dim count AdamW keeps, where _init_state keeps it: on the device for capturable
+            # steps (read there), else on the host (a count saved on a GPU, by a capturable or fused
+            # optimizer, would make the step fail after other groups had stepped). Counts saved as a
+            # number, an integer or a [1] tensor become that too.
+            device = local_tensor(p).device if self.capturable else torch.device("cpu")
+            if step is not None and not (isinstance(step, Tensor) and step.ndim == 0 and
+                                         step.dtype == torch.float32 and step.device == device):
                 self.state[p]["step"] = torch.as_tensor(step, dtype=torch.float32, device=device).reshape(())
-            if self.capturable and "step" in self.state[p]:  # read on the device by a capturable step
-                self.state[p]["step"] = self.state[p]["step"].to(device=local_tensor(p).device, dtype=torch.float32)
         if self.capturable:
             for index, group in enumerate(self.param_groups):
                 self._lr_to_tensor(group, index)
