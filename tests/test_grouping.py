@@ -87,8 +87,10 @@ def test_frozen_layers_are_left_out_unless_included_and_then_train_once_unfrozen
     """Left out by default (a frozen layer takes no state; unfreezing it later trains nothing);
     with include_frozen=True grouped as if trainable, and stepped once they have gradients."""
     model = make()
+    model.packed = nn.Parameter(torch.zeros(4, 4, dtype=torch.uint8), requires_grad=False)  # never trains
     assert not any("frozen" in row[0] for row in orthoptim.describe_assignment(model))
     groups = orthoptim.param_groups(model, include_frozen=True)
+    assert not any(p is model.packed for g in groups for p in g["params"])
     assert group_of(groups, model.frozen.weight).get("algorithm") is None  # the optimizer's own rule
     assert group_of(groups, model.frozen.bias)["algorithm"] == "adamw"
     assert {"frozen.weight", "frozen.bias"} <= {row[0] for row in orthoptim.describe_assignment(model, True)}

@@ -114,7 +114,8 @@ def _classify(model: nn.Module, include_frozen: bool = False) -> dict[int, tuple
         # A parametrized weight (weight_norm's direction, original1) counts as its owner's weight.
         owner, owned = owners.get(id(module), (module, None))
         for pname, p in module.named_parameters(recurse=False):
-            if (not p.requires_grad and not include_frozen) or id(p) in kinds:
+            # Frozen integer tensors (packed quantized weights, counters) can never train: never included.
+            if (not p.requires_grad and not (include_frozen and p.is_floating_point())) or id(p) in kinds:
                 continue
             if id(p) in embeddings:
                 tied = " (tied to the output head)" if id(p) in heads else ""
