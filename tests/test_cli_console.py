@@ -62,7 +62,10 @@ def test_output_written_before_the_exit_is_flushed(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["orthoptim", "orthoptim.cli"])
-def test_python_dash_m_runs_the_program(module):
+def test_python_dash_m_runs_the_program_and_importing_its_main_does_not(module):
     done = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("orthoptim ")
+    code = f"import sys; sys.argv = ['x', '--version']; import {module}.__main__; print('imported')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "imported\n"), done.stderr

@@ -2,4 +2,5 @@
 
 from orthoptim.cli import console
 
-console()
+if __name__ == "__main__":  # importing the module (doctest collection, spawned processes) runs nothing
+    console()
