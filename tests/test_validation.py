@@ -1039,3 +1039,36 @@ def test_a_gradient_of_a_non_float_dtype_is_refused_by_name(dtype):
     with raises_naming(ValueError, "lin.weight", str(dtype), "real floating point"):
         opt.step()
     assert_unchanged(before, model, opt)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "load_state_dict"])
+def test_differentiable_groups_stay_refused_after_a_copy_or_a_load(how):
+    """torch.optim's __setstate__ (deepcopy, pickle, load_state_dict) adds defaults['differentiable']
+    = False; the refusal of differentiable=True then took the group, with a garbled warning."""
+    model, opt = live_optimizer()
+    if how == "deepcopy":
+        model, opt = copy.deepcopy((model, opt))
+    else:
+        opt.load_state_dict(opt.state_dict())
+    assert "differentiable" not in opt.defaults
+    with raises_naming(ValueError, "differentiable=True", "no_grad"):
+        opt.add_param_group(named_group(model, "out.weight", differentiable=True))
+    assert len(opt.param_groups) == 3
+    opt.add_param_group(named_group(model, "out.weight"))
+    assert "differentiable" not in opt.param_groups[-1]
+
+
+@pytest.mark.parametrize("name", ["muon", "normuon", "dion2", "dion3"])
+def test_capturable_svd_is_refused_at_construction_and_at_step_time(name):
+    """A capturable step flags a non-finite gradient instead of refusing it, and torch.linalg.svd raises
+    on one half-way through the step (after the AdamW group had stepped, the momentum made NaN)."""
+    with raises_naming(ValueError, "orthogonalizer='svd'", "capturable=True", "Newton-Schulz"):
+        CLASSES[name]([make_model().lin.weight], orthogonalizer="svd", capturable=True)
+    model, opt = live_optimizer(name, capturable=True)
+    opt.param_groups[1]["orthogonalizer"] = "svd"
+    set_grads(model, 2)
+    before = snapshot(model, opt)
+    with raises_naming(ValueError, "param group 1 (at step time)", "orthogonalizer='svd'"):
+        opt.step()
+    assert_unchanged(before, model, opt)
+    CLASSES[name]([make_model().lin.weight], orthogonalizer="svd")  # fine without capturable

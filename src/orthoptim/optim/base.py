@@ -227,6 +227,11 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        # torch.optim's __setstate__ (also run by load_state_dict) adds defaults["differentiable"] = False,
+        # which orthoptim does not support; left there, add_param_group's refusal of
+        # differentiable=True would see a known key and take the group.
+        if not self.defaults.get("differentiable", False):
+            self.defaults.pop("differentiable", None)
         for entries in self.state.values():
             for key, value in entries.items():
                 entries[key] = from_copying(value)
@@ -347,6 +352,12 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 f"{where}: nonfinite='skip' needs a host sync each step, which capturable=True "
                 "rules out; keep nonfinite='raise' (with capturable=True, non-finite gradients are flagged and "
                 "optimizer.check_nonfinite() raises after the step) or set capturable=False"
+            )
+        if group["orthogonalizer"] == "svd" and "orthogonalizer" in options_read_by(group["algorithm"]):
+            raise ValueError(
+                f"{where}: orthogonalizer='svd' cannot take a non-finite gradient, which capturable=True flags "
+                "instead of refusing (torch.linalg.svd would raise half-way through the step, after other groups "
+                "had stepped); use a Newton-Schulz orthogonalizer ('polar_express', 'gram') or capturable=False"
             )
 
     def _check_group_at_step(self, group: dict[str, Any], index: int,
