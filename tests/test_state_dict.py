@@ -734,3 +734,25 @@ def test_a_distributed_checkpoint_load_into_reordered_groups_maps_by_name_withou
     for p in model.parameters():
         if "momentum" in opt.state[p]:
             assert torch.equal(reordered.state[p]["momentum"], opt.state[p]["momentum"])
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("cleared", [False, True], ids=["target with state", "target cleared"])
+def test_loading_makes_no_state_entry_for_a_parameter_without_saved_state(capturable, cleared):
+    """torch.optim's state is a defaultdict: looking up a parameter that has no saved state (no gradient
+    yet after opt.state.clear()) added an empty entry, and the loaded copy's state dict had one more."""
+    def build():
+        params = [nn.Parameter(torch.randn(s)) for s in [(8, 16), (5, 7)]]
+        return orthoptim.Dion3(params, capturable=capturable), params
+    source, params = build()
+    params[0].grad = torch.randn_like(params[0])
+    source.step()
+    source.state.clear()
+    source.step()
+    saved = source.state_dict()
+    assert len(saved["state"]) == 1
+    target, _ = build()
+    if cleared:
+        target.state.clear()
+    target.load_state_dict(saved)
+    assert len(target.state) == 1 and len(target.state_dict()["state"]) == 1

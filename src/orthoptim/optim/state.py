@@ -412,7 +412,7 @@ class StateKeeping:
             variance = saved.get(i, {}).get("variance")
             if variance is not None:
                 self.state[p]["variance"] = variance.to(device=p.device, dtype=row_state_dtype(p), copy=True)
-            step = self.state[p].get("step")
+            step = self.state.get(p, {}).get("step")  # .get: a parameter without saved state gets no entry
             # The fp32 0-dim count AdamW keeps, where _init_state keeps it: on the device for capturable
             # steps (read there), else on the host (a count saved on a GPU, by a capturable or fused
             # optimizer, would make the step fail after other groups had stepped). Counts saved as a
@@ -449,11 +449,12 @@ class StateKeeping:
             return local_tensor(t).untyped_storage().data_ptr()
 
         held_storages = {storage(t) for old in held.values() for t in old.values() if isinstance(t, Tensor)}
+        # .get: self.state is a defaultdict, and a held parameter the state dict has no state for gets none.
         for p, old in held.items():
-            for key, value in self.state[p].items():
+            for key, value in self.state.get(p, {}).items():
                 if isinstance(value, Tensor) and value is not old.get(key) and storage(value) in held_storages:
                     self.state[p][key] = value.clone()
         for p, old_state in held.items():
-            state = self.state[p]
+            state = self.state.get(p, {})
             for key, value in list(state.items()):
                 state[key] = keep(old_state.get(key), value)
