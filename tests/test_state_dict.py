@@ -756,3 +756,43 @@ def test_loading_makes_no_state_entry_for_a_parameter_without_saved_state(captur
         target.state.clear()
     target.load_state_dict(saved)
     assert len(target.state) == 1 and len(target.state_dict()["state"]) == 1
+
+
+def test_a_state_of_another_rule_is_refused_and_a_partial_one_warns():
+    """torch.optim loads any keys: an AdamW vector's state swapped with a matrix's loaded silently and
+    the step started both afresh (keeping the foreign keys); a state missing a key loses it silently."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(8))]
+
+    def build():
+        return orthoptim.Dion3([{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw"}], lr=0.02)
+    source = build()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    source.step()
+    target = build()
+    before = _state_copy(target)
+    swapped = copy.deepcopy(source.state_dict())
+    swapped["state"][0], swapped["state"][1] = swapped["state"][1], swapped["state"][0]
+    refused = (r"param_groups\[0\].params\[0\] \(#0\): the loaded state has keys "
+               r"\['exp_avg', 'exp_avg_sq', 'step'\] but dion3 keeps \['momentum', 'variance'\]")
+    with pytest.raises(ValueError, match=refused):
+        target.load_state_dict(swapped)
+    _assert_state_equal(before, _state_copy(target))
+    partial = copy.deepcopy(source.state_dict())
+    del partial["state"][1]["step"]
+    lost = r"#1\): the loaded state has no \['step'\]; the next step makes it afresh"
+    with pytest.warns(UserWarning, match=lost) as caught:
+        target.load_state_dict(partial)
+    assert {w.filename for w in caught} == {__file__}  # the warning points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        target.load_state_dict(source.state_dict())  # complete: no warning
+
+
+def test_a_saved_group_without_params_is_refused_by_name():
+    source, _ = _trained(orthoptim.Dion3, [(8, 16)])
+    saved = source.state_dict()
+    del saved["param_groups"][0]["params"]
+    with pytest.raises(ValueError, match=r"param group 0 of the loaded state dict has no 'params' list"):
+        source.load_state_dict(saved)

@@ -239,6 +239,10 @@ class StateKeeping:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
         checked before anything is loaded, so a refused one leaves this optimizer as it was."""
         saved_groups = state_dict.get("param_groups")
+        for index, saved in enumerate(saved_groups if isinstance(saved_groups, list) else []):
+            if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+                raise ValueError(f"param group {index} of the loaded state dict has no 'params' list; load a state "
+                                 f"dict saved by {type(self).__name__}.state_dict()")
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups) or any(
                 len(g.get("params", ())) != len(mine["params"]) for g, mine in zip(saved_groups, self.param_groups)):
             return  # torch.optim's own checks name these mismatches
@@ -261,7 +265,22 @@ class StateKeeping:
                         f"{merged['algorithm']} needs {needs} for this parameter of shape {tuple(p.shape)}; "
                         "the state dict was saved for other parameters (or other group options) than "
                         "this optimizer's, in this order")
-                bad_entry = self._malformed_state(p, merged, saved_state.get(i, {}))
+                entry = saved_state.get(i, {})
+                expected = self._expected_state_shapes(p, merged)
+                if entry and not any(key in entry for key in expected):
+                    # Nothing of this rule's state (another parameter's, e.g. states listed in another order,
+                    # or another optimizer's): the step would start this parameter afresh and keep the rest.
+                    raise ValueError(
+                        f"parameter {label}: the loaded state has keys {sorted(map(str, entry))} but "
+                        f"{merged['algorithm']} keeps {sorted(expected)}; the state dict was saved for other "
+                        "parameters (or another optimizer) than this one's, in this order")
+                missing = [key for key in expected if key not in entry]
+                if entry and missing:
+                    warnings.warn(
+                        f"parameter {label}: the loaded state has no {missing}; the next step makes "
+                        f"{'it' if len(missing) == 1 else 'them'} afresh (zeros; an AdamW step count from 0)",
+                        stacklevel=4)  # the caller of load_state_dict
+                bad_entry = self._malformed_state(p, merged, entry)
                 if bad_entry is not None:
                     key, what = bad_entry
                     raise ValueError(
