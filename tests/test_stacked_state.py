@@ -83,9 +83,7 @@ def _run(name, dtype, stacked, monkeypatch, steps=5, skip_at=None):
 def test_batched_selection_gives_the_per_matrix_numbers(monkeypatch, name, dtype):
     """Every step, including one where a matrix of the stack has no gradient (its batch is then not
     one run of the stack, and the per-matrix ops run)."""
-    calls = []
-    original = selection.accumulate_and_l1_norms_stacked_
-    monkeypatch.setattr(selection, "accumulate_and_l1_norms_stacked_", lambda *a: calls.append(1) or original(*a))
+    calls = _spy_on_batched_norms(monkeypatch)
     a, opt_a = _run(name, dtype, True, monkeypatch, skip_at=2)
     assert calls, "the batched path did not run"
     b, opt_b = _run(name, dtype, False, monkeypatch, skip_at=2)

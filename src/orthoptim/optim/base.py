@@ -137,6 +137,10 @@ def _autocast_off() -> Iterator[None]:
         yield
 
 
+# The state Dion2 and Dion3 keep as views of one stack per megabatch (``_stack_selection_state``).
+_STACKED_STATE = {"dion2": ("momentum",), "dion3": ("momentum", "variance")}
+
+
 def _refuse_a_set(params: Any, what: str) -> None:
     """A set's order changes between runs, and with it the order of the state dict and Dion's initial factors."""
     if isinstance(params, (set, frozenset)):
@@ -513,8 +517,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             if not params:
                 continue
             # State cleared by hand (opt.state.clear()) is made again in stacks, not one tensor each.
-            selects = group["algorithm"] in ("dion2", "dion3")
-            if selects and any("momentum" not in self.state.get(p, ()) for p in params):
+            stacked = group["algorithm"] in _STACKED_STATE
+            if stacked and any("momentum" not in self.state.get(p, ()) for p in params):
                 self._stack_selection_state(group)
             for p in params:
                 self._init_state(p, group)
@@ -640,12 +644,12 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                                  beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                  finish=finish, **common)
         elif algorithm == "dion2":
-            stacked = self._selection_stacks(batch, ("momentum",)) if select is None else None
+            stacked = self._selection_stacks(batch, _STACKED_STATE["dion2"]) if select is None else None
             dim = 0 if layout in ("row_sharded", "column_sharded") else None
             rules.dion2_update(xs, gs, ms, fraction=group["fraction"], mu=group["mu"], orthogonalize=orthogonalize,
                                dim=dim, select=select, stacked=stacked[0] if stacked else None, **common)
         else:
-            stacked = self._selection_stacks(batch, ("momentum", "variance")) if select is None else None
+            stacked = self._selection_stacks(batch, _STACKED_STATE["dion3"]) if select is None else None
             rules.dion3_update(xs, gs, ms, es, fraction=group["fraction"], mu=group["mu"],
                                beta2=group["muon_beta2"], eps=group["epsilon"], orthogonalize=orthogonalize,
                                finish=finish, select=select, stacked=stacked, **common)
@@ -679,9 +683,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         there, standing alone (an unpickled copy), and is copied into stacks. Not for sharded or
         communicated layouts, parameters of several matrices, or on CPUs matrices of more than
         ``selection.L1_CHUNK_ELEMENTS`` elements (their block-by-block passes beat batched ones)."""
-        if group["algorithm"] not in ("dion2", "dion3") or self._communicates:
+        if group["algorithm"] not in _STACKED_STATE or self._communicates:
             return
-        keys = ("momentum", "variance") if group["algorithm"] == "dion3" else ("momentum",)
+        keys = _STACKED_STATE[group["algorithm"]]
 
         def stackable(p: Tensor) -> bool:
             if type(p) not in (torch.nn.Parameter, Tensor) or self._layout(p, group) != "replicated":

@@ -179,10 +179,12 @@ class StateKeeping:
                 "these fix the shape of the state, so keep the parameter's shape and these options as they were "
                 "when the state was made, or start from a fresh optimizer")
 
-    def _misshapen_state(self, p: Tensor, group: dict[str, Any],
-                         state: dict[str, Any]) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
-        """The first tensor of ``state`` whose shape ``group`` does not give ``p``: (key, has, needs)."""
-        for key, shape in self._expected_state_shapes(p, group).items():
+    @staticmethod
+    def _misshapen_state(state: dict[str, Any], expected: dict[str, tuple[int, ...]],
+                         ) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
+        """The first tensor of ``state`` whose shape is not the ``expected`` one
+        (``_expected_state_shapes``): (key, has, needs)."""
+        for key, shape in expected.items():
             value = state.get(key)
             if isinstance(value, Tensor) and tuple(value.shape) != shape and not (key == "step" and value.numel() == 1):
                 return key, tuple(value.shape), shape
@@ -193,7 +195,7 @@ class StateKeeping:
         and per-row state (NorMuon/Dion3's variance, Dion's Q) made under the other ``transpose``: of a
         square matrix it has the same shape, but its entries belong to the other axis."""
         state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
-        if state and (bad := self._misshapen_state(p, group, state)) is not None:
+        if state and (bad := self._misshapen_state(state, self._expected_state_shapes(p, group))) is not None:
             raise ValueError(self._state_shape_error(p, group, *bad))
         for key, value in (state or {}).items():
             if key == "step" or not isinstance(value, Tensor):
@@ -257,7 +259,9 @@ class StateKeeping:
             for i, p in zip(saved["params"], mine["params"]):
                 label = self.param_name(p)
                 self._check_param(p, merged, label)
-                bad = self._misshapen_state(p, merged, saved_state.get(i, {}))
+                entry = saved_state.get(i, {})
+                expected = self._expected_state_shapes(p, merged)
+                bad = self._misshapen_state(entry, expected)
                 if bad is not None:
                     key, has, needs = bad
                     raise ValueError(
@@ -265,8 +269,6 @@ class StateKeeping:
                         f"{merged['algorithm']} needs {needs} for this parameter of shape {tuple(p.shape)}; "
                         "the state dict was saved for other parameters (or other group options) than "
                         "this optimizer's, in this order")
-                entry = saved_state.get(i, {})
-                expected = self._expected_state_shapes(p, merged)
                 if entry and not any(key in entry for key in expected):
                     # Nothing of this rule's state (another parameter's, e.g. states listed in another order,
                     # or another optimizer's): the step would start this parameter afresh and keep the rest.
@@ -280,7 +282,7 @@ class StateKeeping:
                         f"parameter {label}: the loaded state has no {missing}; the next step makes "
                         f"{'it' if len(missing) == 1 else 'them'} afresh (zeros; an AdamW step count from 0)",
                         stacklevel=4)  # the caller of load_state_dict
-                bad_entry = self._malformed_state(p, merged, entry)
+                bad_entry = self._malformed_state(entry, expected)
                 if bad_entry is not None:
                     key, what = bad_entry
                     raise ValueError(
@@ -289,11 +291,13 @@ class StateKeeping:
                            "a floating-point tensor") + "; the state dict was not saved by this optimizer, or "
                         "was edited since")
 
-    def _malformed_state(self, p: Tensor, group: dict[str, Any], state: dict[str, Any]) -> tuple[str, str] | None:
-        """The first entry of ``state`` that the step could not use: a non-tensor (or an integer tensor)
-        where a state tensor belongs, a step count that is no real number. torch.optim loads anything;
-        the step would then fail half-way (after other groups stepped). (key, what it is)."""
-        for key in self._expected_state_shapes(p, group):
+    @staticmethod
+    def _malformed_state(state: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
+        """The first entry of ``state`` under an ``expected`` key that the step could not use: a non-tensor
+        (or an integer tensor) where a state tensor belongs, a step count that is no real number.
+        torch.optim loads anything; the step would then fail half-way (after other groups stepped).
+        (key, what it is)."""
+        for key in expected:
             if key not in state:
                 continue
             value = state[key]
