@@ -12,7 +12,8 @@
 # AdamW's parameters, gradients, state and temporaries fit in memory many times over).
 # Runs in under 8 minutes: a first Triton launch (env.json says whether Triton can build its launcher
 # here); tests capped at 140 s (capture tests first, then the fused Muon update, then the kernels,
-# whose first calls compile and autotune, then the stacked Dion2/Dion3 state on the GPU); the kernel benchmark stops starting new cases after 80 s
+# whose first calls compile and autotune, then the stacked Dion2/Dion3 state on the GPU, then whether
+# CUDA's kernels keep μ, lr and decay exact for bf16/fp16 tensors as CPUs do not); the kernel benchmark stops starting new cases after 80 s
 # and is stopped at 110 s; the ladder stops starting new rungs after 140 s (each set by its share:
 # 124m by 47 s, 1b by 93 s, 7b:8 by 140 s, a set's unspent share passing on; the rest are listed as
 # skipped) and is stopped at 180 s. Both benchmarks rewrite their JSON as they go, so a stop keeps
@@ -104,7 +105,7 @@ if ! "$PY" -c 'import pytest' 2>/dev/null; then
 else
 echo "gpu_check: kernel and CUDA-graph capture tests (compiled kernels on $("$PY" -c 'import torch; print(torch.cuda.get_device_name())'))"
 timeout -s INT -k 10 140 "$PY" -m pytest -q -p no:cacheprovider tests/test_capture.py tests/test_polar_factors.py \
-    tests/test_kernels.py tests/test_kernels_triton.py tests/test_stacked_state.py \
+    tests/test_kernels.py tests/test_kernels_triton.py tests/test_stacked_state.py tests/test_half_precision_updates.py \
     --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.txt"
 test_rc=${PIPESTATUS[0]}
 if [ "$test_rc" -ne 0 ]; then

@@ -364,16 +364,19 @@ def _bf16_row_shards_of_odd_width(rank: int, world: int) -> dict:
             opt.step()
         variance = opt.state[sharded]["variance"]
         variance = variance.full_tensor() if hasattr(variance, "full_tensor") else variance
-        out[f"{name} {shape}"] = (float((sharded.full_tensor() != single).float().mean()),
+        ulp = 2.0 ** (torch.frexp(single.detach().float()).exponent - 8)  # bf16's spacing at each entry
+        out[f"{name} {shape}"] = (float(((sharded.full_tensor() - single).float().abs() / ulp).max()),
                                   float((variance != opt_single.state[single]["variance"]).float().mean()))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bf16_row_shards_of_odd_width_match_one_process(world):
+    # Ô travels back from the rows' owner in bf16: an entry may round one ulp the other way, where one
+    # process keeps Ô in fp32 (a layout mix-up moves entries by many ulps). The variance is exact.
     for result in run_distributed(_bf16_row_shards_of_odd_width, world, timeout=120):
-        for key, (weights, variance) in result.items():
-            assert weights <= 0.01 and variance <= 0.01, (key, weights, variance)
+        for key, (ulps, variance) in result.items():
+            assert ulps <= 1.0 and variance <= 0.01, (key, ulps, variance)
 
 
 def _without_mesh(rank: int, world: int) -> str:

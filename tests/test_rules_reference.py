@@ -278,8 +278,19 @@ def test_weight_decay_applies_to_every_row_with_zero_gradient(algorithm):
     ref.compare(opt, reference, [before], tol_x=ref.TOL_X, tol_state=TOL_STATE, where="zero-gradient step")
 
 
-def test_adamw_with_gradients_laid_out_unlike_their_parameters():
-    """A transposed-view gradient must not go to a kernel that walks memory linearly."""
+def off_the_fused_kernel(monkeypatch) -> None:
+    """AdamW's foreach path, which CUDA takes without capturable=True (host step counts)."""
+    from orthoptim.rules import adamw
+
+    monkeypatch.setattr(adamw, "_fused_applies", lambda lists, step: False)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_adamw_with_gradients_laid_out_unlike_their_parameters(monkeypatch, fused):
+    """A transposed-view gradient must not reach a kernel that walks memory linearly as it is: the
+    fused kernel takes a contiguous copy."""
+    if not fused:
+        off_the_fused_kernel(monkeypatch)
     p = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3)))
     g = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4)).t()
     opt = orthoptim.Dion3([{"params": [p], "algorithm": "adamw", "lr": 0.01, "weight_decay": 0.1,
@@ -292,9 +303,10 @@ def test_adamw_with_gradients_laid_out_unlike_their_parameters():
     assert ref.rel_err(p.detach(), want) <= 1e-8  # a layout mix-up moves entries: errors ~1e-2
 
 
-def test_capturable_adamw_off_the_fused_kernel():
-    """capturable=True with gradients laid out unlike their parameters: the step counts stay device
-    tensors and the bias corrections are formed from them, off torch's fused kernel."""
+def test_capturable_adamw_off_the_fused_kernel(monkeypatch):
+    """capturable=True off torch's fused kernel: the step counts stay device tensors and the bias
+    corrections are formed from them."""
+    off_the_fused_kernel(monkeypatch)
     gen = torch.Generator().manual_seed(6)
     params = [torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64, generator=gen)) for _ in range(2)]
     hp = {"lr": 0.01, "wd": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
@@ -317,10 +329,11 @@ def test_capturable_adamw_off_the_fused_kernel():
             assert ref.rel_err(opt.state[p]["exp_avg_sq"], v) <= 1e-12
 
 
-def test_adamw_off_the_fused_kernel_has_float64_bias_corrections_per_parameter():
-    """Gradients laid out unlike their parameters take the foreach path: its bias corrections came from
-    fp32 step tensors (1 − β₂ᵗ lost 7e-6 of the update to cancellation) and assumed one step count for
-    the batch; here one parameter skips a step, so the two counts differ."""
+def test_adamw_off_the_fused_kernel_has_float64_bias_corrections_per_parameter(monkeypatch):
+    """The foreach path's bias corrections came from fp32 step tensors (1 − β₂ᵗ lost 7e-6 of the
+    update to cancellation) and assumed one step count for the batch; here one parameter skips a
+    step, so the two counts differ."""
+    off_the_fused_kernel(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     params = [torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64, generator=gen)) for _ in range(2)]
     hp = {"lr": 0.01, "wd": 0.1, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}

@@ -311,8 +311,8 @@ def test_nonfinite_gradient_raises_and_changes_nothing(name, bad_param):
 def test_fp32_gradients_of_bf16_parameters_step_every_group(name):
     """torch 2.13's p.grad_dtype gives bf16 weights fp32 gradients. The fused AdamW kernel refused the
     pair after the matrix groups had stepped; now AdamW/Lion round such a gradient to the parameter's
-    dtype (as the matrix rules' momentum does), so their parameters move exactly as with that rounded
-    gradient given directly."""
+    dtype first (the matrix rules add it into their momentum unrounded), so their parameters move
+    exactly as with that rounded gradient given directly."""
     models, opts = [], []
     for _ in range(2):
         model = make_model().bfloat16()

@@ -799,8 +799,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             # Elementwise rules: each rank updates its own shard, no communication.
             xs = [local_tensor(p) for p in batch]
             # A gradient of another dtype (torch 2.13's p.grad_dtype: fp32 gradients of bf16 weights) is
-            # rounded to the parameter's, as the matrix rules' momentum does: torch's foreach and fused
-            # kernels take one dtype (the fused AdamW refused the pair after the matrix groups had stepped).
+            # rounded to the parameter's first (the matrix rules add it into the momentum unrounded):
+            # torch's foreach and fused kernels take one dtype (the fused AdamW refused the pair after
+            # the matrix groups had stepped). For fp16, the verdict refuses one that would overflow.
             grads = [g if g.dtype == x.dtype else g.to(x.dtype) for g, x in
                      zip((local_tensor(p.grad) for p in batch), xs)]
             states = [self.state[p] for p in batch]

@@ -22,6 +22,7 @@ from torch import Tensor
 from orthoptim.distributed.dtensor import DTensor, Replicate, local_tensor
 from orthoptim.optim.capture import capturing
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by
+from orthoptim.rules.momentum import add_scaled
 
 
 def _checked_keys(group: dict[str, Any]) -> list[str]:
@@ -217,12 +218,20 @@ class GradientChecks:
     def _momentum_fits(self, params: list[Tensor], groups: list[dict[str, Any]], device: torch.device) -> Tensor:
         """False where an fp16 matrix's momentum (or, for Dion, its products with B = M + G) would
         overflow fp16 this step although the gradient is finite: the step would turn its weights
-        into NaN. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are always True.
+        into NaN; and where an fp16 AdamW/Lion parameter's wider gradient would overflow when rounded
+        to fp16. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are always True.
         For such a matrix: one fp16 temporary of the new momentum (fp16 arithmetic overflows to
         inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
         fits = torch.ones(len(params), dtype=torch.bool, device=device)
         for i, (p, group) in enumerate(zip(params, groups)):
-            if p.dtype != torch.float16 or group["algorithm"] not in MATRIX_ALGORITHMS:
+            if p.dtype != torch.float16:
+                continue
+            if group["algorithm"] not in MATRIX_ALGORITHMS:
+                # AdamW and Lion take the gradient in the parameter's dtype (``_scalar_step``): a wider
+                # one above 65504 would become inf there (the moments inf, the weights NaN).
+                g = local_tensor(p.grad)
+                if g.dtype != torch.float16 and g.numel():
+                    fits[i] = torch.isfinite(g.abs().amax().to(torch.float16)).to(device)
                 continue
             momentum = self.state.get(p, {}).get("momentum")
             if momentum is None or not local_tensor(momentum).numel():
@@ -249,15 +258,15 @@ class GradientChecks:
                 rows = torch.linalg.vector_norm(b, dim=-1, dtype=torch.float32).amax() * math.sqrt(col_shards)
                 size = torch.maximum(rows, cols)
             else:
-                # As the rule computes it, in fp16, so inf exactly where it overflows: M ← G + μM (one
-                # op, ``momentum.accumulate_and_stack``), and with Nesterov B = G + μM, also in fp16
-                # (fp16 momenta are stacked in fp16: ``_stack_dtype``).
+                # As the rule computes it, rounded to fp16, so inf exactly where it overflows: M ← G + μM
+                # (``momentum.add_scaled``), and with Nesterov B = G + μM, also in fp16 (fp16 momenta
+                # are stacked in fp16: ``_stack_dtype``).
                 mu = 1.0 if group["algorithm"] in ("dion2", "dion3") else group["mu"]
                 nesterov = group["algorithm"] in ("muon", "normuon") and group["nesterov"]
-                new = torch.add(g, m, alpha=mu)
+                new = add_scaled(g, m, mu, out=torch.empty_like(m))
                 size = new.abs().amax()
                 if nesterov:
-                    size = torch.maximum(size, torch.add(g, new, alpha=mu).abs().amax())
+                    size = torch.maximum(size, add_scaled(g, new, mu, out=torch.empty_like(m)).abs().amax())
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits
 
@@ -325,8 +334,8 @@ class GradientChecks:
             return work
         reasons = {  # gradient finite? → (what is wrong, how to fix it)
             False: ("a non-finite gradient (NaN or Inf)", "Lower the learning rate, clip gradients"),
-            True: ("a finite gradient, but this step's momentum would overflow float16 (above 65504) and turn "
-                   "the weights into NaN", "Keep such parameters in bfloat16 or float32, scale the loss or "
+            True: ("a finite gradient, but it or this step's momentum would overflow float16 (above 65504) and "
+                   "turn the weights into NaN", "Keep such parameters in bfloat16 or float32, scale the loss or "
                    "gradients down"),
         }
         bad = {p: reasons[grad_ok] for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist()) if not step_ok}

@@ -29,9 +29,18 @@ def adamw_update(
     otherwise, with device tensors (capturable), the bias corrections are computed on the device,
     so the step never reads a value back to the host.
     """
-    if _fused_applies([params, grads, exp_avgs, exp_avg_sqs], step):
-        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], step, amsgrad=False, lr=lr, beta1=beta1,
+    lists = [params, grads, exp_avgs, exp_avg_sqs]
+    if _fused_applies(lists, step):
+        # The kernel walks memory linearly: a tensor of another layout (a transposed view, channels_last)
+        # steps as a contiguous copy, written back after. (CPU foreach ops, the other way, would round
+        # β₂ = 0.999 to 1 for bf16 state.)
+        dense = [[t.contiguous() for t in ts] for ts in lists]
+        torch._fused_adamw_(*dense, [], step, amsgrad=False, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=weight_decay_rate, eps=eps, maximize=False)
+        for ts, copies in zip((params, exp_avgs, exp_avg_sqs), (dense[0], dense[2], dense[3])):
+            for t, c in zip(ts, copies):
+                if c is not t:
+                    t.copy_(c)
         return
     if isinstance(step, list) and all(s.device.type == "cpu" for s in step) and not isinstance(lr, Tensor):
         # Host step counts (reading them costs no sync): bias corrections as float64 numbers, one per
@@ -77,10 +86,7 @@ def _fused_applies(lists: list[list[Tensor]], step: int | list[Tensor]) -> bool:
     if not hasattr(torch, "_fused_adamw_") or not isinstance(step, list) or not params:
         return False
     device, dtype = params[0].device, params[0].dtype
-    if not (device.type in ("cpu", "cuda") and dtype in _FUSED_DTYPES
-            and all(p.device == device and p.dtype == dtype for p in params)
-            and all(s.device == device and s.dtype == torch.float32 for s in step)):
-        return False
-    # The CPU kernel walks memory linearly: parameter, gradient and state must share one dense layout.
-    return all(t.is_contiguous() for ts in lists for t in ts)
+    return (device.type in ("cpu", "cuda") and dtype in _FUSED_DTYPES
+            and all(t.device == device and t.dtype == dtype for ts in lists for t in ts)
+            and all(s.device == device and s.dtype == torch.float32 for s in step))
 

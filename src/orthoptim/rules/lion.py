@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from orthoptim.rules import weight_decay
+from orthoptim.rules.momentum import HALF
 
 
 def lion_update(
@@ -25,6 +26,11 @@ def lion_update(
     if isinstance(lr, Tensor):
         torch._foreach_mul_(direction, -lr)
         torch._foreach_add_(params, direction)
+    elif params and params[0].device.type == "cpu" and params[0].dtype in HALF:
+        # CPU ops round a number ``alpha`` to bf16/fp16 first (lr off by up to 2⁻⁹ of itself): add
+        # in fp32 and round once.
+        for x, d in zip(params, direction):
+            x.copy_(torch.add(x.float(), d, alpha=-lr))
     else:
         torch._foreach_add_(params, direction, alpha=-lr)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)

@@ -5,12 +5,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+# CPU kernels round a Python scalar (``add``'s alpha, a foreach op's scalar) to a bf16/fp16 tensor's
+# dtype before using it: bf16's μ = 0.99 would be 0.98828 (1 − μ off by 17 %), and 0.999 would be 1.
+HALF = (torch.float16, torch.bfloat16)
+
+
+def add_scaled(g: Tensor, m: Tensor, mu: float, out: Tensor) -> Tensor:
+    """out ← G + μ·M, with μ exact and one rounding to ``out``'s dtype (``out`` may be ``m``)."""
+    if g.device.type == "cpu" and torch.promote_types(g.dtype, m.dtype) in HALF and mu != 1.0:
+        # In fp32 (where the scalar is exact), then rounded once: one matrix-sized fp32 temporary.
+        return out.copy_(torch.add(g, m.float(), alpha=mu))
+    return torch.add(g, m, alpha=mu, out=out)
+
 
 def accumulate_(momenta: list[Tensor], grads: list[Tensor], mu: float) -> None:
     """M ← μ M + G in place (μ = 1 gives the plain sum M ← M + G used by Dion, Dion2 and Dion3)."""
-    if mu != 1.0:
-        torch._foreach_mul_(momenta, mu)
-    torch._foreach_add_(momenta, grads)
+    if mu == 1.0:
+        torch._foreach_add_(momenta, grads)
+        return
+    for m, g in zip(momenta, grads):
+        add_scaled(g, m, mu, out=m)
 
 
 def accumulate_and_stack(momenta: list[Tensor], grads: list[Tensor], mu: float, nesterov: bool,
@@ -27,13 +41,13 @@ def accumulate_and_stack(momenta: list[Tensor], grads: list[Tensor], mu: float, 
     out = torch.empty((len(momenta), *m0.shape), dtype=dtype, device=m0.device)
     if not nesterov and dtype == m0.dtype:
         for i, (m, g) in enumerate(zip(momenta, grads)):
-            torch.add(g, m, alpha=mu, out=out[i])
+            add_scaled(g, m, mu, out=out[i])
         torch._foreach_copy_(momenta, list(out.unbind(0)))
         return out
     for m, g, batch in zip(momenta, grads, out):
-        torch.add(g, m, alpha=mu, out=m)
+        add_scaled(g, m, mu, out=m)
         if nesterov:  # rounded once to ``dtype``
-            torch.add(g, m, alpha=mu, out=batch)
+            add_scaled(g, m, mu, out=batch)
         else:
             batch.copy_(m)
     return out

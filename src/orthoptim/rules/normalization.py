@@ -29,8 +29,9 @@ def orthogonalize_and_normalize(
 ) -> tuple[Tensor, Tensor]:
     """The middle of NorMuon and Dion3: Ô and the new V for a batch U [B, k, n] with its rows' V [B, k].
 
-    Ô comes back in U's dtype (the rounding the parameter update would apply anyway), so the
-    same function can run on another rank and travel back in U's buffers.
+    Ô comes back in U's dtype, so that it can run on another rank and travel back in U's buffers
+    (``RowShardedPlan.around``): for bf16/fp16 matrices one rounding more than a single process makes,
+    which keeps Ô in fp32 and rounds only the parameters.
     """
     o_hat, v_new = normalize_rows(orthogonalize(u), v, beta2, eps)
     return o_hat.to(u.dtype), v_new

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 import torch
 from torch import Tensor
@@ -32,8 +31,9 @@ def normuon_update(
     ``finish(B, V) → (Ô, V_new)``: see ``dion3_update``.
     """
     update_input = momentum.accumulate_and_stack(momenta, grads, mu, nesterov)
-    if finish is None:
-        finish = partial(normalization.orthogonalize_and_normalize, orthogonalize=orthogonalize, beta2=beta2, eps=eps)
-    o_hat, v_new = finish(update_input, torch.stack(variances))
+    if finish is None:  # Ô stays in fp32 (or wider): the update below rounds the parameters once
+        o_hat, v_new = normalization.normalize_rows(orthogonalize(update_input), torch.stack(variances), beta2, eps)
+    else:
+        o_hat, v_new = finish(update_input, torch.stack(variances))
     torch._foreach_copy_(variances, list(v_new.unbind(0)))
     weight_decay.decay_and_apply_(params, o_hat, lr, weight_decay_rate, lr * scale)

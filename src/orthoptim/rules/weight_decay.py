@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from orthoptim.orthogonalize import PolarFactors
+from orthoptim.rules.momentum import HALF
 
 LearningRate = float | Tensor
 # On CPUs, fp32-or-wider parameters take their decay and update one block of this many elements at a
@@ -27,8 +28,16 @@ FUSED_MIN_MACS_ON_ACCELERATORS = 1 << 27
 def decay_(params: list[Tensor], lr: LearningRate, weight_decay: float) -> None:
     """X ← X · (1 − lr·wd) for every tensor (skipped when it is a no-op)."""
     # A tensor lr is not compared with 0 on the host (that would read it back).
-    if weight_decay != 0.0 and (isinstance(lr, Tensor) or lr != 0.0):
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    if weight_decay == 0.0 or (not isinstance(lr, Tensor) and lr == 0.0):
+        return
+    factor = 1.0 - lr * weight_decay
+    if not isinstance(factor, Tensor) and params and params[0].device.type == "cpu" and params[0].dtype in HALF:
+        # CPU foreach ops round a number to bf16/fp16 first (1 − 0.0021 becomes 1 − 2⁻⁸, 2.7x the
+        # decay); a tensor's own mul_ keeps it exact, as torch.optim.AdamW's single-tensor step does.
+        for x in params:
+            x.mul_(factor)
+        return
+    torch._foreach_mul_(params, factor)
 
 
 def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> None:
