@@ -716,3 +716,53 @@ def test_weights_stored_in_out_are_read_transposed():
     assert rows["up.weight"][3] == f"[{4 * 2 * 2}, {D}] (transposed)"
     adamw = orthoptim.param_groups(model, overrides={"c_attn.weight": {"algorithm": "adamw"}})
     assert "transpose" not in group_of(adamw, model.c_attn.weight)
+
+
+def test_gpt2_fused_qkv_is_split_into_its_three_projections():
+    """Hugging Face GPT-2 keeps q, k and v side by side in c_attn, a Conv1D [e, 3e] whose attention
+    module records e as split_size: read transposed and cut into three [e, e] blocks, as
+    nn.MultiheadAttention's in_proj_weight. Without split_size (another model's Conv1D) it stays whole."""
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.split_size = D
+            self.c_attn, self.c_proj = Conv1D(3 * D, D), Conv1D(D, D)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = Attention()
+            self.other = nn.Module()
+            self.other.c_attn = Conv1D(3 * D, D)
+
+    model = make(Model)
+    groups = orthoptim.param_groups(model)
+    fused = group_of(groups, model.attn.c_attn.weight)
+    assert fused["transpose"] is True and fused["split_sizes"] == [D, D, D]
+    assert "split_sizes" not in group_of(groups, model.attn.c_proj.weight)
+    assert "split_sizes" not in group_of(groups, model.other.c_attn.weight)
+    rows = {r[0]: r for r in parse_explain(orthoptim.explain(orthoptim.Muon(groups, lr=0.02)))}
+    assert rows["attn.c_attn.weight"][3] == f"3 × [{D}, {D}] (transposed)"
+    # as stored (for FSDP2) its outputs are columns, which split_sizes does not cut: left whole
+    stored = orthoptim.param_groups(model, overrides={"*.c_*": {"transpose": False}})
+    assert "split_sizes" not in group_of(stored, model.attn.c_attn.weight)
+
+
+def test_a_lazy_module_not_yet_initialized_is_refused_by_name():
+    """An uninitialized parameter reads as 1-D: it went to AdamW silently, and kept going there after
+    the dry-run forward gave it its real shape."""
+    model = nn.Sequential(nn.LazyLinear(16), nn.ReLU(), nn.Linear(16, 4))
+    with pytest.raises(ValueError, match=r"parameter 0\.weight of a lazy module .* forward pass"):
+        orthoptim.param_groups(model)
+    with pytest.raises(ValueError, match=r"parameter 0\.weight of a lazy module"):
+        orthoptim.describe_assignment(model)
+    model(torch.zeros(2, 8))
+    assert group_of(orthoptim.param_groups(model), model[0].weight).get("algorithm") is None  # the matrix rule
+
+
+def test_a_sparse_embedding_is_refused_when_the_groups_are_built():
+    model = nn.Sequential(nn.Embedding(10, D, sparse=True), nn.Linear(D, D))
+    with pytest.raises(ValueError, match=r"parameter 0\.weight .* sparse=True.*SparseAdam"):
+        orthoptim.param_groups(model)
+    model[0].weight.requires_grad_(False)  # left out here, for SparseAdam
+    assert all(model[0].weight is not p for g in orthoptim.param_groups(model) for p in g["params"])

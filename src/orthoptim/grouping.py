@@ -97,26 +97,53 @@ def _parametrized_owners(model: nn.Module) -> dict[int, tuple[nn.Module, str]]:
     return owners
 
 
+def _fused_qkv_conv1d(model: nn.Module) -> set[int]:
+    """ids of GPT-2 (Hugging Face) ``c_attn`` Conv1D layers that hold q, k and v side by side: their
+    attention module says so with ``split_size`` (its width), and they are three of it wide."""
+    found = set()
+    for module in model.modules():
+        child, split = getattr(module, "c_attn", None), getattr(module, "split_size", None)
+        if type(child).__name__ == "Conv1D" and isinstance(split, int) and getattr(child, "nf", None) == 3 * split:
+            found.add(id(child))
+    return found
+
+
 def _classify(model: nn.Module, include_frozen: bool = False) -> dict[int, tuple[str, str]]:
     """id(param) → (kind, reason) for every trainable parameter (every one with ``include_frozen``);
-    kinds: matrix, conv, conv_transpose, in_out (stored [in, out]), qkv (a fused in_proj_weight),
+    kinds: matrix, conv, conv_transpose, in_out (stored [in, out]), in_out_qkv (GPT-2's c_attn: both),
+    qkv (a fused in_proj_weight),
     lstm_gates and gru_gates (a recurrent layer's stacked gate weights) and scalar."""
     embeddings: dict[int, str] = {}
+    sparse: set[int] = set()
     vocabularies: dict[int, set[int]] = {}
     for mname, module in model.named_modules():
         if isinstance(module, _EMBEDDING_TYPES):
             embeddings[id(module.weight)] = mname or "<root>"
+            if module.sparse:
+                sparse.add(id(module.weight))
             vocabularies.setdefault(module.num_embeddings, set()).add(module.embedding_dim)
     heads = _output_heads(model, vocabularies)
     owners = _parametrized_owners(model)
+    fused_qkv = _fused_qkv_conv1d(model)
     kinds: dict[int, tuple[str, str]] = {}
-    for _mname, module in model.named_modules():
+    for mname, module in model.named_modules():
         # A parametrized weight (weight_norm's direction, original1) counts as its owner's weight.
         owner, owned = owners.get(id(module), (module, None))
         for pname, p in module.named_parameters(recurse=False):
             # Frozen integer tensors (packed quantized weights, counters) can never train: never included.
             if (not p.requires_grad and not (include_frozen and p.is_floating_point())) or id(p) in kinds:
                 continue
+            name = f"{mname}.{pname}" if mname else pname
+            if isinstance(p, nn.parameter.UninitializedParameter):
+                # Its shape is unknown until the first forward (it reads as 1-D): it would go to AdamW.
+                raise ValueError(
+                    f"parameter {name} of a lazy module (e.g. nn.LazyLinear) is not initialized yet, so its "
+                    "shape and rule are unknown; run one forward pass with a dummy batch before param_groups()")
+            if id(p) in sparse:
+                raise ValueError(
+                    f"parameter {name} is the weight of an embedding built with sparse=True; orthoptim needs "
+                    "dense gradients: build it with sparse=False, or leave it out here (requires_grad_(False) "
+                    "while param_groups() runs) and give it to torch.optim.SparseAdam")
             if id(p) in embeddings:
                 tied = " (tied to the output head)" if id(p) in heads else ""
                 kinds[id(p)] = ("scalar", f"embedding of {embeddings[id(p)]}{tied}")
@@ -141,7 +168,11 @@ def _classify(model: nn.Module, include_frozen: bool = False) -> dict[int, tuple
             elif type(module).__name__ == "Conv1D" and pname in _WEIGHT_NAMES and p.ndim == 2 and \
                     getattr(module, "nf", None) == p.shape[1]:
                 # GPT-2's (Hugging Face) Conv1D is a linear layer that stores its weight [in, out].
-                kinds[id(p)] = ("in_out", "Conv1D weight stored [in, out] (x @ W), read transposed")
+                if id(module) in fused_qkv:
+                    kinds[id(p)] = ("in_out_qkv", "GPT-2 attention c_attn stored [in, out], read transposed: q, k "
+                                                  "and v orthogonalized apart (split_sizes)")
+                else:
+                    kinds[id(p)] = ("in_out", "Conv1D weight stored [in, out] (x @ W), read transposed")
             elif owned is None and pname not in _WEIGHT_NAMES and _EMBEDDING_LIKE.search(pname):
                 # A table a module keeps as a bare nn.Parameter (ViT's pos_embed (1, N, d), register tokens,
                 # Swin's relative_position_bias_table): an embedding, not a linear map. (By name only: a
@@ -176,9 +207,11 @@ def param_groups(
       (or ``algorithm`` when given); conv weights (also weight_norm's direction) → the same rule with
       ``flatten=True`` (transposed convs, stored [in, out, k…], also ``transpose=True``); weights
       stored [in, out] by GPT-2's ``Conv1D`` with ``transpose=True`` (which runs on whole matrices:
-      to shard them with FSDP2, ``overrides={"*.c_*": {"transpose": False}}``); ``nn.MultiheadAttention``'s
-      fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v apart), and LSTM/GRU (and their
-      cells') ``weight_ih``/``weight_hh`` with one block per gate ([h]·4, [h]·3);
+      to shard them with FSDP2, ``overrides={"*.c_*": {"transpose": False}}``), its attention's fused
+      ``c_attn`` (three of its module's ``split_size`` wide) also with ``split_sizes`` [e, e, e];
+      ``nn.MultiheadAttention``'s fused ``in_proj_weight`` with ``split_sizes`` [e, e, e] (q, k, v
+      apart), and LSTM/GRU (and their cells') ``weight_ih``/``weight_hh`` with one block per gate
+      ([h]·4, [h]·3);
     - embeddings (also tables kept as bare parameters named like ``pos_embed`` or ``*_tokens``), output
       heads (tied or not; every Linear scoring an embedding's vocabulary, or else the model's last
       Linear when it is named like a classifier: ``head``, ``classifier``, ``fc``), biases,
@@ -229,12 +262,16 @@ def param_groups(
         matrix_rule = options.get("algorithm") not in ("adamw", "lion")
         if kind in ("conv", "conv_transpose") and "flatten" not in options and matrix_rule:
             options["flatten"] = True
-        if kind in ("conv_transpose", "in_out") and "transpose" not in options and matrix_rule:
+        if kind in ("conv_transpose", "in_out", "in_out_qkv") and "transpose" not in options and matrix_rule:
             options["transpose"] = True
         # nn.MultiheadAttention keeps q, k and v stacked in one [3e, e] weight, LSTM and GRU layers their
         # gates in [4h, ·] and [3h, ·] ones: as that many projections.
         if kind in _STACKED_BLOCKS and "split_sizes" not in options and matrix_rule:
             options["split_sizes"] = [p.shape[0] // _STACKED_BLOCKS[kind]] * _STACKED_BLOCKS[kind]
+        # GPT-2's c_attn, read transposed, has q, k and v as its rows' three blocks (read as stored,
+        # [in, 3e], they would be column blocks, which split_sizes does not cut: one matrix then).
+        if kind == "in_out_qkv" and "split_sizes" not in options and matrix_rule and options.get("transpose"):
+            options["split_sizes"] = [p.shape[1] // 3] * 3
         label = pattern or kind
         key = (label, tuple(sorted((k, repr(v)) for k, v in options.items())))
         group = groups.setdefault(key, {"name": label, "params": [], "param_names": [], **options})
