@@ -1072,3 +1072,30 @@ def test_capturable_svd_is_refused_at_construction_and_at_step_time(name):
         opt.step()
     assert_unchanged(before, model, opt)
     CLASSES[name]([make_model().lin.weight], orthogonalizer="svd")  # fine without capturable
+
+
+def test_warnings_point_at_the_callers_line():
+    """From the constructor, step() (through torch.optim's hook wrapper, no_grad and compiler.disable)
+    and load_state_dict, a warning names this file: filterwarnings(module=...) and the reported line
+    are the user's. Fixed stacklevels pointed into base.py."""
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    v = torch.nn.Parameter(torch.randn(6))
+    with pytest.warns(UserWarning, match="did you mean 'epsilon'") as record:
+        opt = orthoptim.Dion3([{"params": [p], "eps": 1e-6}, {"params": [v], "algorithm": "adamw"}],
+                              nonfinite="skip")
+    assert {w.filename for w in record} == {__file__}
+    p.grad, v.grad = torch.full_like(p, float("nan")), torch.ones_like(v)
+    with pytest.warns(UserWarning, match="update was skipped") as record:
+        opt.step()
+    assert {w.filename for w in record} == {__file__}
+    opt.param_groups[1]["betas"] = (0.5, 0.999)
+    opt.param_groups[0]["betas"] = (0.5, 0.999)
+    p.grad = torch.ones_like(p)
+    with pytest.warns(UserWarning, match="betas changed") as record:
+        opt.step()
+    assert {w.filename for w in record} == {__file__}
+    saved = opt.state_dict()
+    del saved["state"][1]["exp_avg_sq"]
+    with pytest.warns(UserWarning, match="has no") as record:
+        opt.load_state_dict(saved)
+    assert {w.filename for w in record} == {__file__}

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from collections.abc import Callable
 from functools import cache
 
 import torch
 from torch import Tensor
 
+from orthoptim.caller_warnings import warn_at_caller
 from orthoptim.kernels import torch_backend
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -54,8 +54,8 @@ def can_run(*tensors: Tensor) -> bool:
 def _disable(reason: str) -> None:
     global _disabled
     _disabled = reason
-    warnings.warn(f"orthoptim: the external QuACK symmetric GEMM backend is off for this process ({reason}); "
-                  "using the built-in kernels instead", RuntimeWarning, stacklevel=3)
+    warn_at_caller(f"orthoptim: the external QuACK symmetric GEMM backend is off for this process ({reason}); "
+                   "using the built-in kernels instead", RuntimeWarning)
 
 
 def _symmetric(a: Tensor, b: Tensor, c: Tensor | None, alpha: float, beta: float) -> Tensor:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 from functools import cache
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
+from orthoptim.caller_warnings import warn_at_caller
 from orthoptim.kernels import cpu_dtype
 
 ENV_VAR = "ORTHOPTIM_KERNELS"
@@ -105,13 +105,11 @@ def turn_off_triton(module: str, error: BaseException) -> None:
     if module in _triton_off:
         return
     _triton_off[module] = f"{type(error).__name__}: {error}"
-    warnings.warn(
+    warn_at_caller(
         f"orthoptim: a Triton kernel of orthoptim.kernels.{module} failed ({_triton_off[module]}); "
         f"the torch backend runs its products from now on in this process. Set {ENV_VAR}=triton to "
         f"raise the error instead, or {ENV_VAR}=torch not to try Triton",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+        RuntimeWarning)
 
 
 def _on_cuda(tensors: tuple[Tensor, ...]) -> bool:

@@ -11,9 +11,9 @@ callable, checked). This file holds what a step does with them.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 import operator
-import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from orthoptim import rules
+from orthoptim.caller_warnings import warn_at_caller
 from orthoptim.distributed import CommStats, megabatches, resolve_process_group, split_batch
 from orthoptim.distributed.column_exchange import ColumnShardedPlan
 from orthoptim.distributed.dtensor import DTensor, local_tensor, shard_rows, storage_address
@@ -139,6 +140,11 @@ def _autocast_off() -> Iterator[None]:
 
 # The state Dion2 and Dion3 keep as views of one stack per megabatch (``_stack_selection_state``).
 _STACKED_STATE = {"dion2": ("momentum",), "dion3": ("momentum", "variance")}
+
+
+# Names torch.optim's optimizers give options that orthoptim calls otherwise.
+_TORCH_NAMES = {"eps": "epsilon", "momentum": "mu", "beta1": "betas", "beta2": "betas",
+                "adjust_lr_fn": "adjust_lr", "ns_steps": "orthogonalizer"}
 
 
 def _refuse_a_set(params: Any, what: str) -> None:
@@ -262,20 +268,18 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                                  f"support: {fix}")
         unknown = sorted(set(param_group) - set(self.defaults) - _BOOKKEEPING_KEYS)
         for key in unknown:
-            warnings.warn(
+            hint = _TORCH_NAMES.get(key) or next(iter(difflib.get_close_matches(key, list(self.defaults), n=1)), None)
+            warn_at_caller(
                 f"param group {index} has key {key!r}, which {type(self).__name__} does not read; "
-                f"check its spelling (known keys: {sorted(self.defaults)})",
-                stacklevel=3,
-            )
+                + (f"did you mean {hint!r}? " if hint else "")
+                + f"check its spelling (known keys: {sorted(self.defaults)})")
         merged = {**self.defaults, **param_group}
         validate_group(merged, f"param group {index}")
         for key in unread_options(param_group, merged["algorithm"], set(self.defaults)):
-            warnings.warn(
+            warn_at_caller(
                 f"param group {index} sets {key}={param_group[key]!r}, which algorithm={merged['algorithm']!r} does "
                 f"not read (it is read by {', '.join(readers_of(key))}); remove it, or set the algorithm it was "
-                "meant for",
-                stacklevel=3,
-            )
+                "meant for")
         self._check_capturable_options(merged, f"param group {index}")
         raw = param_group["params"]
         _refuse_a_set(raw, f"param group {index}: params")
@@ -337,10 +341,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         tall = [label for p, label in params if isinstance(p, DTensor) and p.ndim >= 2 and
                 self._layout(p, group) == "row_sharded" and p.shape[0] > math.prod(p.shape[1:])]
         if tall:
-            warnings.warn(
+            warn_at_caller(
                 f"param group {index}: Dion2 selects rows of the row-sharded matrices {tall}, which are taller than "
                 "wide, where one process selects columns; selection_scope='global' gives the one-process result "
-                "only for matrices no taller than wide (Dion3 always selects rows, in both cases)", stacklevel=4)
+                "only for matrices no taller than wide (Dion3 always selects rows, in both cases)")
 
     def _check_capturable_options(self, group: dict[str, Any], where: str) -> None:
         """Options that need the host during a step, which capturable=True rules out."""
@@ -432,11 +436,11 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._betas_seen[index] = betas
         if betas != before and index not in self._betas_warned:
             self._betas_warned.add(index)
-            warnings.warn(
+            warn_at_caller(
                 f"param group {index}: betas changed from {before} to {betas} between steps (a scheduler with "
                 f"cycle_momentum=True, such as OneCycleLR or CyclicLR?), but algorithm={group['algorithm']!r} reads "
                 f"mu, not betas: its momentum stays mu={group['mu']}. Pass cycle_momentum=False, or schedule "
-                "group['mu'] yourself", stacklevel=4)
+                "group['mu'] yourself")
 
     def _check_param(self, p: Tensor, group: dict[str, Any], label: str) -> None:
         if not isinstance(p, Tensor):

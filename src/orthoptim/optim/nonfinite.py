@@ -10,7 +10,6 @@ and shard counts (``_view``, ``_layout``, ``ShardedParameters._shard_counts``).
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from functools import reduce
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from orthoptim.caller_warnings import warn_at_caller
 from orthoptim.distributed.dtensor import DTensor, Replicate, local_tensor
 from orthoptim.optim.capture import capturing
 from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by
@@ -348,10 +348,8 @@ class GradientChecks:
                     error.what = what  # without the advice, for callers that give their own (the CLI)
                     raise error
         for p, (why, _) in bad.items():
-            warnings.warn(
-                f"parameter {self.param_name(p)} has {why}; its update was skipped this step",
-                stacklevel=3,
-            )
+            warn_at_caller(
+                f"parameter {self.param_name(p)} has {why}; its update was skipped this step")
         return [(g, [p for p in ps if p not in bad]) for g, ps in work]
 
     def _all_params(self) -> list[Tensor]:

@@ -11,7 +11,6 @@ momenta over ``replicate_mesh`` when one is taken (``ShardedParameters.synchroni
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from orthoptim.caller_warnings import warn_at_caller
 from orthoptim.distributed.dtensor import DTensor, Replicate, Shard, local_tensor
 from orthoptim.optim.matrix_view import MatrixView
 from orthoptim.optim.stacked_state import stands_alone
@@ -231,11 +231,11 @@ class StateKeeping:
         names = [n for g in self.param_groups for n in g["param_names"]]
         if saved_names != names and sorted(map(str, saved_names)) == sorted(map(str, names)):
             at = next(i for i, (a, b) in enumerate(zip(saved_names, names)) if a != b)
-            warnings.warn(
+            warn_at_caller(
                 f"the loaded state dict names the same parameters as this optimizer in another order: parameter "
                 f"#{at} is {saved_names[at]!r} there and {names[at]!r} here. load_state_dict maps state by "
                 "position, so each would take another's state: build the param groups in the saved order (the "
-                "state dict's param_groups[i]['param_names'])", stacklevel=4)
+                "state dict's param_groups[i]['param_names'])")
 
     def _check_loadable(self, state_dict: dict[str, Any]) -> None:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
@@ -278,10 +278,9 @@ class StateKeeping:
                         "parameters (or another optimizer) than this one's, in this order")
                 missing = [key for key in expected if key not in entry]
                 if entry and missing:
-                    warnings.warn(
+                    warn_at_caller(
                         f"parameter {label}: the loaded state has no {missing}; the next step makes "
-                        f"{'it' if len(missing) == 1 else 'them'} afresh (zeros; an AdamW step count from 0)",
-                        stacklevel=4)  # the caller of load_state_dict
+                        f"{'it' if len(missing) == 1 else 'them'} afresh (zeros; an AdamW step count from 0)")
                 bad_entry = self._malformed_state(entry, expected)
                 if bad_entry is not None:
                     key, what = bad_entry
@@ -349,10 +348,10 @@ class StateKeeping:
         own = mine["orthogonalizer"]
         reads = "orthogonalizer" in options_read_by(saved.get("algorithm", mine["algorithm"]))
         if reads and (not callable(own) or _callable_name(own) != name):
-            warnings.warn(
+            warn_at_caller(
                 f"param group {index} of the loaded state dict was saved with the orthogonalizer "
                 f"{name[len(CALLABLE_MARK):]} (a callable, which a state dict cannot hold); the group "
-                f"keeps this optimizer's orthogonalizer={own!r}", stacklevel=5)
+                f"keeps this optimizer's orthogonalizer={own!r}")
         return {**saved, "orthogonalizer": own}
 
     @staticmethod
@@ -362,10 +361,10 @@ class StateKeeping:
         missing = {k: v for k, v in OPTIONS_ADDED_LATER.items() if k not in saved}
         for key, value in missing.items():
             if mine.get(key, value) != value and saved.get("algorithm", mine["algorithm"]) in MATRIX_ALGORITHMS:
-                warnings.warn(
+                warn_at_caller(
                     f"param group {index} of the loaded state dict was saved before the {key!r} option "
                     f"existed, so with {key}={value!r}, under which its state was made; the group takes "
-                    f"{key}={value!r} (this optimizer's group had {mine[key]!r})", stacklevel=5)
+                    f"{key}={value!r} (this optimizer's group had {mine[key]!r})")
         return {**saved, **missing} if missing else saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -420,12 +419,12 @@ class StateKeeping:
             if changed:
                 sets = ", ".join(f"{k}={group[k]!r}" for k in changed)
                 had = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
-                warnings.warn(
+                warn_at_caller(
                     f"param group {index}: the state dict sets {sets} where this {type(self).__name__}'s group "
                     f"had {had}; as in torch.optim, the saved hyperparameters win, so the group now runs with "
                     f"them (what you want when a schedule of yours set them). Otherwise build the optimizer the "
                     f"checkpoint was saved from, or set {', '.join(f'group[{k!r}]' for k in changed)} back after "
-                    "loading", stacklevel=3)
+                    "loading")
         self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
         for group in self.param_groups:
             for p in group["params"]:

@@ -8,13 +8,13 @@ in exact arithmetic, because every iterate X_t = Q_t X_0 with Q_t a polynomial i
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from orthoptim import kernels
+from orthoptim.caller_warnings import warn_at_caller
 from orthoptim.orthogonalize._common import PolarFactors, as_batch, normalize_gram_, start, working_dtype
 from orthoptim.orthogonalize.coefficients import POLAR_EXPRESS, as_coefficients
 from orthoptim.orthogonalize.newton_schulz import newton_schulz_factors
@@ -74,11 +74,11 @@ def gram_newton_schulz_factors(
         return newton_schulz_factors(x, coeffs, dtype=work, eps=eps)
     effective = {i for i in restart_at if 0 < i < len(coeffs)}  # before iteration 0, or past the last: no-ops
     if restarts is not None and (work == torch.bfloat16 or (work == torch.float16 and not effective)):
-        warnings.warn(
+        warn_at_caller(
             f"gram_newton_schulz: restarts={tuple(restarts)} runs Gram Newton-Schulz in {work}, where it can "
             "diverge (largest singular values of 1e10 and NaN on low-rank or spiked inputs; docs/kernels.md, "
             "'The dtype'): in bf16 leave restarts unset (standard NS runs), in fp16 keep at least one "
-            "restart, or pass dtype=torch.float32", RuntimeWarning, stacklevel=3)
+            "restart, or pass dtype=torch.float32", RuntimeWarning)
     transposed = k > n
     if transposed:
         batch = batch.mT
