@@ -909,6 +909,8 @@ def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
                                                   outer_shard_mesh=mesh),
         "algorithm": lambda p: orthoptim.Dion3([{"params": [("w", p)], "algorithm": "muon" if odd else "dion3"}],
                                                distributed_mesh=mesh),
+        # a scheduler stepped on a rank's own metric: the ranks stepped with their own lr, silently
+        "lr": lambda p: orthoptim.Dion3([("w", p)], lr=0.02 if odd else 0.01, distributed_mesh=mesh),
     }
     out = []
     for name, build in cases.items():
@@ -919,11 +921,18 @@ def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
         p.grad = distribute_tensor(torch.randn(16, 12, generator=gen), mesh, [Shard(0)])
         message = value_error(opt.step)
         out.append((name, message, torch.equal(p.full_tensor(), before)))
+    # Same-shape matrices listed in another order on one rank: their rows were exchanged as one
+    # matrix's, silently.
+    a, b = (nn.Parameter(distribute_tensor(torch.randn(16, 12), mesh, [Shard(0)])) for _ in range(2))
+    opt = orthoptim.Dion3([("b", b), ("a", a)] if odd else [("a", a), ("b", b)], distributed_mesh=mesh)
+    before = a.full_tensor().clone()
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    out.append(("order", value_error(opt.step), torch.equal(a.full_tensor(), before)))
     # The same options built separately on each rank are not "different", nor is a key of the user's
-    # whose repr differs by process (a set of strings: hash order) or a per-rank lr.
+    # whose repr differs by process (a set of strings: hash order), nor a tensor lr (not read on the host).
     p = nn.Parameter(distribute_tensor(torch.randn(16, 12), mesh, [Shard(0)]))
     opt = orthoptim.Dion3([{"params": [("w", p)], "fraction": 0.25, "tags": {"attn", "mlp", "qkv", "proj"},
-                            "lr": 0.01 * (rank + 1)}], distributed_mesh=mesh)
+                            "lr": torch.tensor(0.01)}], distributed_mesh=mesh)
     p.grad = torch.ones_like(p)
     opt.step()
     return out
@@ -932,5 +941,47 @@ def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
 def test_options_that_differ_between_ranks_are_refused_on_every_rank():
     for per_rank in run_distributed(_options_by_rank, 2, timeout=90):
         for name, message, unchanged in per_rank:
-            assert "['w']" in message and "differ between ranks" in message, (name, message)
+            named = ("'a'" in message and "'b'" in message) if name == "order" else "['w']" in message
+            assert named and "differ between ranks" in message, (name, message)
             assert unchanged, name
+
+
+def _refused_on_one_rank(rank: int, world: int) -> dict:
+    """A step refused on one rank for a reason of its own (an lr edited there, an integer gradient):
+    that rank raised before the verdict's all-reduce, the others waited
+    in it for ever (or, with the error caught, paired their step with its next one). Now every rank
+    raises, nothing changes, and a next step is one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(3)
+    init, grad = torch.randn(16, 12, generator=gen), torch.randn(16, 12, generator=gen)
+    out = {}
+    for case in ("lr", "int_grad"):
+        p = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
+        opt = orthoptim.Dion3([("w", p)], lr=0.05, distributed_mesh=mesh)
+        p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        if rank == 1 and case == "lr":
+            opt.param_groups[0]["lr"] = float("nan")
+        if rank == 1 and case == "int_grad":
+            p.grad.data = p.grad.data.to(torch.int64)
+        out[case] = (value_error(opt.step), torch.equal(p.full_tensor(), init))
+        if case == "lr":  # caught, fixed, stepped again: every rank steps together
+            opt.param_groups[0]["lr"] = 0.05
+            opt.step()
+            single = nn.Parameter(init.clone())
+            single.grad = grad.clone()
+            orthoptim.Dion3([single], lr=0.05).step()
+            out["next step error"] = float((p.full_tensor() - single).norm() / single.norm())
+    return out
+
+
+def test_a_step_refused_on_one_rank_is_refused_on_every_rank():
+    own = {"lr": "lr=nan", "int_grad": "dtype torch.int64"}
+    for rank, result in enumerate(run_distributed(_refused_on_one_rank, 2, timeout=90)):
+        for case, reason in own.items():
+            message, unchanged = result[case]
+            assert (reason if rank == 1 else "another rank refused this step") in message, (rank, case, message)
+            assert unchanged, (rank, case)
+        assert result["next step error"] <= 1e-6, result

@@ -508,13 +508,20 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                     if isinstance(p, Tensor):
                         found.setdefault(p, []).append(j)
             return found
-        for index, group in enumerate(self.param_groups):
-            # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
-            # lr, a fraction above 1 or num_heads that do not divide the rows are refused here, before
-            # any group is stepped, rather than half-way through the step.
-            self._check_group_at_step(group, index, owners)
-        work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
-        work = self._flag_nonfinite(work) if self.capturable else self._drop_nonfinite(work)
+        refusal = None
+        try:
+            for index, group in enumerate(self.param_groups):
+                # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
+                # lr, a fraction above 1 or num_heads that do not divide the rows are refused here, before
+                # any group is stepped, rather than half-way through the step.
+                self._check_group_at_step(group, index, owners)
+            work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
+            self._check_gradients([p for _, ps in work for p in ps])
+        except ValueError as error:
+            # Distributed, the other ranks are about to wait in the verdict's all-reduce: this rank
+            # joins it with its refusal, and every rank raises (``_drop_nonfinite``).
+            refusal, work = error, [(g, []) for g in self.param_groups]
+        work = self._flag_nonfinite(work, refusal) if self.capturable else self._drop_nonfinite(work, refusal)
         if self._replicate_group is not None:
             self._average_gradients(work)
         for group, params in work:

@@ -25,10 +25,15 @@ from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by
 from orthoptim.rules.momentum import add_scaled
 
 
-def _checked_keys(group: dict[str, Any]) -> list[str]:
-    """The options of ``group`` the checksum covers: what its algorithm reads, lr aside (a user's own keys
-    cannot change a collective, and their repr may differ by process: a set's order, an address)."""
-    return [key for key in options_read_by(group["algorithm"]) if key != "lr" and key in group]
+def _checked_keys(group: dict[str, Any], capturable: bool) -> list[str]:
+    """The options of ``group`` the checksum covers: what its algorithm reads (a user's own keys cannot
+    change a collective, and their repr may differ by process: a set's order, an address). The lr too
+    where it is a number and the step eager: a schedule stepped on a rank's own metric (ReduceLROnPlateau
+    on an unreduced loss) would otherwise step replicas apart silently; each change rebuilds the
+    checksum, one small host-to-device copy. A tensor lr is not read on the host, and a captured step
+    cannot take a rebuilt checksum: there the lr is not checked."""
+    return [key for key in options_read_by(group["algorithm"])
+            if key in group and (key != "lr" or (not capturable and not isinstance(group[key], Tensor)))]
 
 
 def _described(value: Any) -> str:
@@ -56,8 +61,9 @@ class GradientChecks:
         # Capturable: per set of parameters with gradients (by identity), its per-parameter flags.
         self._flag_sets: dict[tuple[int, ...], tuple[list[Tensor], Tensor]] = {}
         self._verdict_index: dict[tuple, Tensor] = {}  # see _positions_among
-        # Whether a parameter is sharded over a mesh dimension none of the optimizer's meshes covers.
-        self._beyond_meshes: dict[Tensor, bool] = {}
+        # A parameter's mesh dimensions, where it is sharded over one none of the optimizer's meshes
+        # covers (see _verdict_groups).
+        self._beyond_meshes: dict[Tensor, list] = {}
         self._checksums: tuple[tuple, Tensor] | None = None  # see _options_checksum
 
     def _check_grad_placements(self, params: list[Tensor]) -> None:
@@ -94,14 +100,8 @@ class GradientChecks:
                     "before the step: p.grad = p.grad.redistribute(p.device_mesh, p.placements); no "
                     "parameter or state was changed")
 
-    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],
-                verdict_groups: list[dist.ProcessGroup]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
-        on by every rank: is its gradient finite, and does this step's momentum fit its dtype (see
-        ``_momentum_fits``)? Distributed, also two bools per parameter of the optimizer ([2, N], else
-        None): does it have a gradient on some ranks and none on others, do its group's options differ
-        between ranks. ``everyone``, ``verdict_groups``: see
-        ``_verdict_scope``."""
+    def _check_gradients(self, params: list[Tensor]) -> None:
+        """Gradients the step cannot take at all: refused by name before the verdict."""
         for p in params:
             if p.grad.is_sparse:
                 raise ValueError(
@@ -118,6 +118,15 @@ class GradientChecks:
                 raise ValueError(
                     f"parameter {self.param_name(p)} has a gradient of dtype {p.grad.dtype}; gradients must be "
                     f"real floating point (set p.grad_dtype = p.dtype, or convert the gradient before the step)")
+
+    def _finite(self, params: list[Tensor], groups: list[dict[str, Any]], everyone: list[Tensor],
+                verdict_groups: list[dist.ProcessGroup], refused: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Two bools per parameter (``groups[i]`` is the group of ``params[i]``), on the device, agreed
+        on by every rank: is its gradient finite, and does this step's momentum fit its dtype (see
+        ``_momentum_fits``)? Distributed, also three bools per parameter of the optimizer ([3, N], else
+        None): does it have a gradient on some ranks and none on others, do its group's options differ
+        between ranks, and (every column alike) did some rank refuse this step (``refused``: this one
+        did, and takes part with no ``params``). ``everyone``, ``verdict_groups``: see ``_verdict_scope``."""
         # One reduction pass over all gradients, and (eager steps) one host read of the verdict.
         grads = [local_tensor(p.grad) for p in params]
         # A rank whose parameters have no gradients this step still takes part in the verdict.
@@ -153,37 +162,41 @@ class GradientChecks:
         # optimizer, so that it has one size on every rank even if the ranks disagree on which
         # parameters have a gradient: rows are bad gradient, bad momentum, has a gradient, has none,
         # then the two bytes of a checksum of the parameter's group options and their complements
-        # (under MAX, a byte and its complement sum to 255 only if every rank had the same byte).
+        # (under MAX, a byte and its complement sum to 255 only if every rank had the same byte), then
+        # whether a rank refused the step (the others would wait for it in their next collective).
         index = self._positions_among(params, everyone, device)
         # index_copy_/index_fill_ rather than item assignment: a Python value assigned through an index
         # becomes a fresh host tensor, a copy a CUDA graph cannot hold.
-        table = torch.zeros(8, len(everyone), dtype=torch.uint8, device=device)
+        table = torch.zeros(9, len(everyone), dtype=torch.uint8, device=device)
         table[0].index_copy_(0, index, (~finite).to(torch.uint8))
         table[1].index_copy_(0, index, (~fits).to(torch.uint8))
         table[2].index_fill_(0, index, 1)
         table[3].fill_(1).index_fill_(0, index, 0)
-        table[4:].copy_(self._options_checksum(everyone, device))
+        table[4:8].copy_(self._options_checksum(everyone, device))
+        if refused:
+            table[8].fill_(1)
         for group in verdict_groups:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
             if self.comm_stats is not None:
                 self.comm_stats.record("all_reduce", table.numel() * table.element_size())
-        checksum = table[4:].to(torch.int16)
+        checksum = table[4:8].to(torch.int16)
         differs = (checksum[:2] + checksum[2:] != 255).any(0)
-        return table[0, index] == 0, table[1, index] == 0, torch.stack([(table[2] & table[3]).bool(), differs])
+        return table[0, index] == 0, table[1, index] == 0, torch.stack([(table[2] & table[3]).bool(), differs,
+                                                                        table[8].bool()])
 
     def _options_checksum(self, everyone: list[Tensor], device: torch.device) -> Tensor:
-        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its group's options (those
-        its algorithm reads, but not lr: a schedule changes it every step, and a rebuilt checksum would be
-        a host-to-device copy each step) and its complement. Ranks
-        built with different options (a fraction, a rank, a selection scope) would otherwise exchange
-        messages of different sizes: gloo aborts the process, or the ranks wait for each other forever.
-        Rebuilt only when the options change (a capturable step makes no host-to-device copy)."""
-        described = tuple(tuple(sorted((key, _described(g[key])) for key in _checked_keys(g)))
+        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its name, shape and dtype
+        and of its group's options (``_checked_keys``), and its complement. Ranks built with different
+        options (a fraction, a rank, a selection scope) would otherwise exchange messages of different
+        sizes: gloo aborts the process, or the ranks wait for each other forever; ranks that list
+        their parameters in another order would pair one matrix's rows with another's. Rebuilt only
+        when the options change (a capturable step makes no host-to-device copy)."""
+        described = tuple(tuple(sorted((key, _described(g[key])) for key in _checked_keys(g, self.capturable)))
                           for g in self.param_groups)
         key = (tuple(map(id, everyone)), described)
         if self._checksums is None or self._checksums[0] != key:
-            sums = [zlib.crc32(repr(d).encode()) & 0xFFFF for g, d in zip(self.param_groups, described)
-                    for _ in g["params"]]
+            sums = [zlib.crc32(repr((d, self.param_name(p), tuple(p.shape), str(p.dtype))).encode()) & 0xFFFF
+                    for g, d in zip(self.param_groups, described) for p in g["params"]]
             rows = [[s >> 8 for s in sums], [s & 0xFF for s in sums]]
             rows += [[255 - b for b in row] for row in rows]
             self._checksums = (key, torch.tensor(rows, dtype=torch.uint8, device=device))
@@ -201,14 +214,23 @@ class GradientChecks:
                                                     device=device)
         return self._verdict_index[key]
 
-    def _raise_if_mixed(self, mixed: Tensor) -> None:
-        """``mixed``: [2, parameters], gradients on some ranks only, and options that differ by rank."""
+    def _raise_if_mixed(self, mixed: Tensor, refusal: ValueError | None = None) -> None:
+        """``mixed``: [3, parameters], gradients on some ranks only, options that differ by rank, and
+        whether a rank refused the step (``refusal``: this rank's reason, if it did)."""
+        if refusal is not None:
+            raise refusal
+        if bool(mixed[2].any()):
+            raise ValueError(
+                "another rank refused this step (its error says why: an option, a parameter or a gradient "
+                "there); every rank raises rather than wait for it. Nothing was changed")
         differs = [self.param_name(p) for p, d in zip(self._all_params(), mixed[1].tolist()) if d]
         if differs:
             raise ValueError(
-                f"parameters {differs} are in param groups whose options differ between ranks (e.g. fraction, "
-                "rank_fraction, selection_scope, algorithm); build the optimizer with the same options, and "
-                "change them the same way, on every rank. Nothing was changed")
+                f"parameters {differs} differ between ranks: in their param groups' options (e.g. lr, fraction, "
+                "rank_fraction, selection_scope, algorithm), or in name, shape, dtype or position; build the "
+                "optimizer from the same parameters in the same order and with the same options, and change "
+                "them the same way, on every rank (a scheduler stepped on a rank's own metric, e.g. "
+                "ReduceLROnPlateau on an unreduced loss, changes lr on some ranks only). Nothing was changed")
         names = [self.param_name(p) for p, m in zip(self._all_params(), mixed[0].tolist()) if m]
         raise ValueError(
             f"parameters {names} have a gradient on some ranks and none on others; every rank must give the "
@@ -270,18 +292,26 @@ class GradientChecks:
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
         return fits
 
-    def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
-        """Capturable: record which gradients are non-finite without reading the verdict back."""
+    def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]],
+                        refusal: ValueError | None = None) -> list[tuple[dict, list[Tensor]]]:
+        """Capturable: record which gradients are non-finite without reading the verdict back.
+        ``refusal``: see ``_drop_nonfinite``."""
         params = [p for _, ps in work for p in ps]
         # A rank without gradients still joins the verdict's all-reduce.
         everyone, verdict_groups = self._verdict_scope()
+        if refusal is not None and not verdict_groups:
+            raise refusal
         if params or verdict_groups:
-            finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps], everyone, verdict_groups)
+            finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps], everyone, verdict_groups,
+                                               refused=refusal is not None)
             # Ranks that disagree on which parameters have gradients would hang in the next collective:
             # checked with a host read, except while a CUDA graph is being captured (the eager warm-up
-            # steps before a capture have checked the same set of parameters).
+            # steps before a capture have checked the same set of parameters; a rank's refusal is
+            # raised there only).
+            if refusal is not None and capturing():
+                raise refusal
             if mixed is not None and not capturing() and bool(mixed.any()):
-                self._raise_if_mixed(mixed)
+                self._raise_if_mixed(mixed, refusal)
             self._check_grad_placements(params)
             bad = ~(finite & fits)
             # One pair of buffers per set of parameters with gradients, the same every step: a captured
@@ -318,17 +348,24 @@ class GradientChecks:
             "update was applied, so restore the last checkpoint, then lower the learning rate or clip gradients"
         )
 
-    def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]]) -> list[tuple[dict, list[Tensor]]]:
+    def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]],
+                        refusal: ValueError | None = None) -> list[tuple[dict, list[Tensor]]]:
+        """Eager: refuse or drop what the verdict finds. ``refusal``: this rank's error from the checks
+        before the verdict (then ``work`` has no gradients); raised here, after the verdict has told
+        the other ranks, who raise too instead of waiting for this one."""
         params = [p for _, ps in work for p in ps]
         everyone, verdict_groups = self._verdict_scope()
+        if refusal is not None and not verdict_groups:
+            raise refusal
         if not params and not verdict_groups:
             return work
-        finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps], everyone, verdict_groups)
+        finite, fits, mixed = self._finite(params, [g for g, ps in work for _ in ps], everyone, verdict_groups,
+                                           refused=refusal is not None)
         ok = finite & fits
         # One host read of the whole verdict.
         all_ok, any_mixed = torch.stack([ok.all(), mixed.any() if mixed is not None else ok.new_zeros(())]).tolist()
         if any_mixed:
-            self._raise_if_mixed(mixed)
+            self._raise_if_mixed(mixed, refusal)
         self._check_grad_placements(params)
         if all_ok:
             return work
@@ -361,19 +398,32 @@ class GradientChecks:
         return everyone, self._verdict_groups(everyone) if everyone else []
 
     def _verdict_groups(self, params: list[Tensor]) -> list[dist.ProcessGroup]:
-        """Every group over which gradients may differ: the optimizer's meshes, in a fixed order, and
-        the whole world when a parameter is also sharded over a mesh dimension none of them covers
-        (e.g. tensor parallelism next to FSDP's distributed_mesh). One world-wide reduction rather than
-        one per such dimension keeps the sequence of collectives the same on every rank."""
-        groups = [g for g in (self._process_group, self._replicate_group, self._inner_group) if g is not None]
-        if any(self._sharded_beyond_meshes(p, groups) for p in params if isinstance(p, DTensor)):
-            return [*groups, dist.group.WORLD]
+        """Every group over which gradients may differ: the optimizer's meshes, in a fixed order, then,
+        where a parameter is also sharded over a mesh dimension none of them covers (e.g. tensor
+        parallelism next to FSDP's distributed_mesh), each dimension of that parameter's mesh in
+        order. A MAX over each dimension of a mesh in turn is one over the whole mesh; not over the
+        whole world, which under pipeline parallelism spans stages whose optimizers hold other
+        parameters (their tables differ in size, and the reductions would pair with the wrong ones)."""
+        own = [g for g in (self._process_group, self._replicate_group, self._inner_group) if g is not None]
+        groups, seen = list(own), {tuple(dist.get_process_group_ranks(g)) for g in own}
+        for p in params:
+            for ranks, group in self._mesh_groups_beyond(p, own):
+                if ranks not in seen:
+                    seen.add(ranks)
+                    groups.append(group)
         return groups
 
-    def _sharded_beyond_meshes(self, p: Tensor, groups: list[dist.ProcessGroup]) -> bool:
+    def _mesh_groups_beyond(self, p: Tensor, groups: list[dist.ProcessGroup]) -> list[tuple[tuple, Any]]:
+        """(ranks, group) of each dimension of ``p``'s mesh if it is sharded beyond the optimizer's
+        ``groups``, else nothing; computed once per parameter."""
         if p not in self._beyond_meshes:
-            covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
-            self._beyond_meshes[p] = any(
-                tuple(dist.get_process_group_ranks(p.device_mesh.get_group(dim))) not in covered
-                for dim, placement in enumerate(p.placements) if not isinstance(placement, Replicate))
+            beyond: list[tuple[tuple, Any]] = []
+            if isinstance(p, DTensor):
+                covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
+                mesh = p.device_mesh
+                if any(tuple(dist.get_process_group_ranks(mesh.get_group(dim))) not in covered
+                       for dim, placement in enumerate(p.placements) if not isinstance(placement, Replicate)):
+                    beyond = [(tuple(dist.get_process_group_ranks(mesh.get_group(dim))), mesh.get_group(dim))
+                              for dim in range(mesh.ndim)]
+            self._beyond_meshes[p] = beyond
         return self._beyond_meshes[p]
