@@ -796,3 +796,22 @@ def test_a_saved_group_without_params_is_refused_by_name():
     del saved["param_groups"][0]["params"]
     with pytest.raises(ValueError, match=r"param group 0 of the loaded state dict has no 'params' list"):
         source.load_state_dict(saved)
+
+
+def test_numpy_hyperparameters_are_kept_as_python_numbers():
+    """Options from a config or a sweep often arrive as numpy scalars; kept as they were, the state dict
+    held them and torch.load(weights_only=True) refused it."""
+    np = pytest.importorskip("numpy")
+    w, b = torch.nn.Parameter(torch.randn(6, 8)), torch.nn.Parameter(torch.randn(8))
+    opt = orthoptim.Dion3([{"params": [w], "fraction": np.float64(0.5)},
+                           {"params": [b], "algorithm": "adamw", "betas": (np.float32(0.9), np.float64(0.95))}],
+                          lr=np.float64(0.02), weight_decay=np.float32(0.1))
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded["param_groups"][0]["lr"] == 0.02 and type(loaded["param_groups"][0]["lr"]) is float
+    assert type(loaded["param_groups"][0]["fraction"]) is float
+    assert all(type(beta) is float for beta in loaded["param_groups"][1]["betas"])

@@ -45,6 +45,7 @@ from orthoptim.optim.user_orthogonalizer import CheckedOrthogonalizers, users_ow
 from orthoptim.optim.validation import (
     MATRIX_ALGORITHMS,
     options_read_by,
+    plain_numbers,
     readers_of,
     unread_options,
     validate_group,
@@ -200,7 +201,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # Dion's tensor-parallel mesh; its outer_shard_mesh is distributed_mesh.
         self._inner_group = resolve_process_group(inner_shard_mesh, "inner_shard_mesh")
         self.comm_stats: CommStats | None = None  # opt-in: set to a CommStats() to count collectives
-        full = {**COMMON_DEFAULTS, **defaults}
+        full = plain_numbers({**COMMON_DEFAULTS, **defaults})
         validate_group(full, "the optimizer's defaults")
         self._names: dict[Tensor, str] = {}
         self._positions: dict[Tensor, int] = {}  # order of first appearance: seeds Dion's Q
@@ -260,6 +261,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         index = len(self.param_groups)
+        if isinstance(param_group, dict):
+            param_group = plain_numbers(param_group)
         # torch.optim keys that would change the result if they were silently ignored.
         for key, fix in (("maximize", "minimize the negated objective (loss = -objective)"),
                          ("differentiable", "its steps run under no_grad and cannot be differentiated through")):

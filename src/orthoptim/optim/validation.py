@@ -52,6 +52,17 @@ def readers_of(key: str) -> list[str]:
     return [a for a in ALGORITHMS if key in options_read_by(a)]
 
 
+def plain_numbers(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with numpy scalars (np.float64(0.02) from a config or a sweep, also inside tuples
+    such as betas) as Python numbers: a state dict holding them does not load with
+    ``torch.load(weights_only=True)``."""
+    def plain(value: Any) -> Any:
+        if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+            return value.item()
+        return tuple(plain(v) for v in value) if isinstance(value, tuple) else value
+    return {key: value if key in ("params", "param_names") else plain(value) for key, value in options.items()}
+
+
 def _number(group: Mapping[str, Any], key: str, where: str) -> float:
     value = group[key]
     if key == "lr" and isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point():
