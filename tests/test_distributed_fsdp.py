@@ -911,6 +911,8 @@ def _options_by_rank(rank: int, world: int) -> list[tuple[str, bool]]:
                                                distributed_mesh=mesh),
         # a scheduler stepped on a rank's own metric: the ranks stepped with their own lr, silently
         "lr": lambda p: orthoptim.Dion3([("w", p)], lr=0.02 if odd else 0.01, distributed_mesh=mesh),
+        # a capturable Dion step gathers its Householder factors every step: the ranks hung
+        "capturable": lambda p: orthoptim.Dion([("w", p)], capturable=odd, outer_shard_mesh=mesh),
     }
     out = []
     for name, build in cases.items():

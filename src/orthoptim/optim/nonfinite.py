@@ -185,17 +185,21 @@ class GradientChecks:
                                                                         table[8].bool()])
 
     def _options_checksum(self, everyone: list[Tensor], device: torch.device) -> Tensor:
-        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its name, shape and dtype
-        and of its group's options (``_checked_keys``), and its complement. Ranks built with different
+        """[4, len(everyone)] bytes: for each parameter, a 16-bit checksum of its name, shape and dtype,
+        its group's options (``_checked_keys``) and the optimizer's ``capturable`` and
+        ``replica_sync_every``, and its complement. Ranks built with different
         options (a fraction, a rank, a selection scope) would otherwise exchange messages of different
         sizes: gloo aborts the process, or the ranks wait for each other forever; ranks that list
         their parameters in another order would pair one matrix's rows with another's. Rebuilt only
         when the options change (a capturable step makes no host-to-device copy)."""
         described = tuple(tuple(sorted((key, _described(g[key])) for key in _checked_keys(g, self.capturable)))
                           for g in self.param_groups)
-        key = (tuple(map(id, everyone)), described)
+        # The constructor's options that change the step's collectives (a capturable step gathers Dion's
+        # Householder factors every step; replicas average their momenta every replica_sync_every steps).
+        built = (("capturable", self.capturable), ("replica_sync_every", self._replica_sync_every))
+        key = (tuple(map(id, everyone)), described, built)
         if self._checksums is None or self._checksums[0] != key:
-            sums = [zlib.crc32(repr((d, self.param_name(p), tuple(p.shape), str(p.dtype))).encode()) & 0xFFFF
+            sums = [zlib.crc32(repr((d, built, self.param_name(p), tuple(p.shape), str(p.dtype))).encode()) & 0xFFFF
                     for g, d in zip(self.param_groups, described) for p in g["params"]]
             rows = [[s >> 8 for s in sums], [s & 0xFF for s in sums]]
             rows += [[255 - b for b in row] for row in rows]
@@ -227,7 +231,8 @@ class GradientChecks:
         if differs:
             raise ValueError(
                 f"parameters {differs} differ between ranks: in their param groups' options (e.g. lr, fraction, "
-                "rank_fraction, selection_scope, algorithm), or in name, shape, dtype or position; build the "
+                "rank_fraction, selection_scope, algorithm) or the optimizer's (capturable, replica_sync_every), "
+                "or in name, shape, dtype or position; build the "
                 "optimizer from the same parameters in the same order and with the same options, and change "
                 "them the same way, on every rank (a scheduler stepped on a rank's own metric, e.g. "
                 "ReduceLROnPlateau on an unreduced loss, changes lr on some ranks only). Nothing was changed")
