@@ -949,10 +949,10 @@ def test_options_that_differ_between_ranks_are_refused_on_every_rank():
 
 
 def _refused_on_one_rank(rank: int, world: int) -> dict:
-    """A step refused on one rank for a reason of its own (an lr edited there, an integer gradient):
-    that rank raised before the verdict's all-reduce, the others waited
-    in it for ever (or, with the error caught, paired their step with its next one). Now every rank
-    raises, nothing changes, and a next step is one process's."""
+    """A step refused on one rank for a reason of its own (an lr edited there, an integer gradient, a
+    parameter appended to its group by hand, a deleted option): that rank raised before the verdict's
+    all-reduce, the others waited in it for ever (or, with the error caught, paired their step with
+    its next one). Now every rank raises, nothing changes, and a next step is one process's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -960,7 +960,7 @@ def _refused_on_one_rank(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(3)
     init, grad = torch.randn(16, 12, generator=gen), torch.randn(16, 12, generator=gen)
     out = {}
-    for case in ("lr", "int_grad"):
+    for case in ("lr", "int_grad", "appended", "key"):
         p = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
         opt = orthoptim.Dion3([("w", p)], lr=0.05, distributed_mesh=mesh)
         p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
@@ -968,7 +968,18 @@ def _refused_on_one_rank(rank: int, world: int) -> dict:
             opt.param_groups[0]["lr"] = float("nan")
         if rank == 1 and case == "int_grad":
             p.grad.data = p.grad.data.to(torch.int64)
-        out[case] = (value_error(opt.step), torch.equal(p.full_tensor(), init))
+        extra = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))  # (a collective: every rank)
+        extra.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        if rank == 1 and case == "appended":  # the refusing rank's groups are not the others' size
+            opt.param_groups[0]["params"].append(extra)
+        if rank == 1 and case == "key":  # not a ValueError
+            del opt.param_groups[0]["fraction"]
+        try:
+            opt.step()
+            message = "no error"
+        except (ValueError, KeyError) as error:
+            message = str(error)
+        out[case] = (message, torch.equal(p.full_tensor(), init))
         if case == "lr":  # caught, fixed, stepped again: every rank steps together
             opt.param_groups[0]["lr"] = 0.05
             opt.step()
@@ -980,7 +991,8 @@ def _refused_on_one_rank(rank: int, world: int) -> dict:
 
 
 def test_a_step_refused_on_one_rank_is_refused_on_every_rank():
-    own = {"lr": "lr=nan", "int_grad": "dtype torch.int64"}
+    own = {"lr": "lr=nan", "int_grad": "dtype torch.int64", "appended": "put into group['params'] directly",
+           "key": "fraction"}
     for rank, result in enumerate(run_distributed(_refused_on_one_rank, 2, timeout=90)):
         for case, reason in own.items():
             message, unchanged = result[case]

@@ -127,27 +127,25 @@ def test_half_momentum_decays_with_the_exact_mu(algorithm, nesterov, dtype, mu, 
     assert mismatches(opt.state[p]["momentum"], want) <= 0.002, mismatches(opt.state[p]["momentum"], want)
 
 
-def scalar_step(algorithm: str, x0: torch.Tensor, grad: torch.Tensor, **hp) -> tuple[nn.Parameter, dict]:
-    p = nn.Parameter(x0.clone())
-    opt = orthoptim.Dion3([{"params": [p], "algorithm": algorithm, "lr": 0.003, "weight_decay": 0.7, **hp}])
-    p.grad = grad.clone()
-    opt.step()
-    return p, opt.state[p]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("device", DEVICES)
-def test_lion_decays_and_steps_by_the_exact_numbers(dtype, device):
-    """X ← X·(1 − lr·wd), rounded, then X − lr·sign(·), rounded: CPU foreach ops rounded both numbers to
-    bf16 first (a decay of lr·wd = 0.0021 became one of 2⁻⁸, 2.7x as much)."""
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_lion_decays_and_steps_in_one_rounding(dtype, device, tensor_lr):
+    """X·(1 − lr·wd) − lr·sign(·) rounded once from the exact numbers: CPU foreach ops rounded both to
+    bf16 first (a decay of lr·wd = 0.0021 became one of 2⁻⁸), and a decay rounded on its own keeps
+    little of it (lr·wd < 2⁻⁹: none)."""
     gen = torch.Generator().manual_seed(11)
     x0 = torch.randn(64, 32, generator=gen).to(device, dtype)
     grad = torch.randn(64, 32, generator=gen).to(device, dtype)
-    p, _ = scalar_step("lion", x0, grad, betas=(0.9, 0.99))
     lr, wd = 0.003, 0.7
-    decayed = (x0.double() * (1 - lr * wd)).to(dtype)
-    want = (decayed.double() - lr * torch.sign(grad.double())).to(dtype)
-    assert mismatches(p.detach(), want) == 0.0, mismatches(p.detach(), want)
+    p = nn.Parameter(x0.clone())
+    opt = orthoptim.Dion3([{"params": [p], "algorithm": "lion", "weight_decay": wd, "betas": (0.9, 0.99),
+                            "lr": torch.tensor(lr, device=device) if tensor_lr else lr}])
+    p.grad = grad.clone()
+    opt.step()
+    want = (x0.double() * (1 - lr * wd) - lr * torch.sign(grad.double())).to(dtype)
+    # lr as an fp32 tensor is 0.003 to 1e-10: an entry on a tie may round the other way
+    assert mismatches(p.detach(), want) <= (0.002 if tensor_lr else 0.0), mismatches(p.detach(), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -195,3 +193,24 @@ def test_an_fp32_gradient_too_large_for_an_fp16_vector_is_refused(algorithm):
     p.grad = torch.tensor([1.0, -2.0, 6e4, 3.0])  # fits float16: stepped
     opt.step()
     assert torch.isfinite(p).all() and not torch.equal(p.detach(), x0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("algorithm", ["dion2", "dion3"])
+@pytest.mark.parametrize("mu", [0.95, 0.99])
+@pytest.mark.parametrize("device", DEVICES)
+def test_selected_rows_decay_with_the_exact_mu(algorithm, dtype, mu, device):
+    """Dion2/Dion3: M ← M + G, then the selected rows M[S] ← μ·M[S], rounded once from the exact μ (CPU
+    kernels rounded the alpha μ − 1 of the in-place add to bf16: 1 − μ off by up to 2⁻⁹)."""
+    gen = torch.Generator().manual_seed(9)
+    p = nn.Parameter(torch.zeros(16, 48, dtype=dtype, device=device))
+    group = {"params": [p], "algorithm": algorithm, "orthogonalizer": bf16_polar, "fraction": 1.0}
+    opt = orthoptim.Dion3([group], lr=0.0, weight_decay=0.0, mu=mu)
+    m0 = torch.randn(16, 48, generator=gen).to(device, dtype)
+    grad = torch.randn(16, 48, generator=gen).to(device, dtype)
+    opt.state[p]["momentum"].copy_(m0)
+    p.grad = grad
+    opt.step()
+    summed = (m0.double() + grad.double()).to(dtype)  # M + G, rounded (the step stores it)
+    want = (mu * summed.double()).to(dtype)
+    assert mismatches(opt.state[p]["momentum"], want) == 0.0, mismatches(opt.state[p]["momentum"], want)

@@ -248,7 +248,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 entries[key] = from_copying(value)
         # An optimizer pickled by an earlier version lacks what later ones added.
         for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict),
-                            ("_checked_groups", dict)):
+                            ("_checked_groups", dict), ("_identities", dict)):
             self.__dict__.setdefault(name, empty())
         for key, value in OPTIONS_ADDED_LATER.items():
             self.defaults.setdefault(key, value)
@@ -520,7 +520,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 self._check_group_at_step(group, index, owners)
             work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
             self._check_gradients([p for _, ps in work for p in ps])
-        except ValueError as error:
+        except Exception as error:  # nothing has changed yet
             # Distributed, the other ranks are about to wait in the verdict's all-reduce: this rank
             # joins it with its refusal, and every rank raises (``_drop_nonfinite``).
             refusal, work = error, [(g, []) for g in self.param_groups]

@@ -10,6 +10,7 @@ and shard counts (``_view``, ``_layout``, ``ShardedParameters._shard_counts``).
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
 from functools import reduce
 from typing import Any
@@ -37,7 +38,12 @@ def _checked_keys(group: dict[str, Any], capturable: bool) -> list[str]:
 
 
 def _described(value: Any) -> str:
-    """A group option as the checksum reads it: a callable by its name (its repr holds an address)."""
+    """A group option as the checksum reads it: a callable by its name (its repr holds an address), a
+    number by its value (np.float64(0.01), 0.01 and a 1 for 1.0 are the same option)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return repr(float(value))
+    if isinstance(value, tuple):
+        return repr(tuple(_described(v) for v in value))
     if callable(value):
         return getattr(value, "__qualname__", type(value).__name__)
     return repr(value)
@@ -65,6 +71,7 @@ class GradientChecks:
         # covers (see _verdict_groups).
         self._beyond_meshes: dict[Tensor, list] = {}
         self._checksums: tuple[tuple, Tensor] | None = None  # see _options_checksum
+        self._identities: dict[Tensor, bytes] = {}  # see _identity_bytes
 
     def _check_grad_placements(self, params: list[Tensor]) -> None:
         """A DTensor parameter's gradient must be laid out as the parameter: the step reads each rank's
@@ -161,7 +168,7 @@ class GradientChecks:
         # diverge (and hang in the next collective). The table covers every parameter of the
         # optimizer, so that it has one size on every rank even if the ranks disagree on which
         # parameters have a gradient: rows are bad gradient, bad momentum, has a gradient, has none,
-        # then the two bytes of a checksum of the parameter's group options and their complements
+        # then the two bytes of a checksum of the parameter's name, shape, dtype and options and their complements
         # (under MAX, a byte and its complement sum to 255 only if every rank had the same byte), then
         # whether a rank refused the step (the others would wait for it in their next collective).
         index = self._positions_among(params, everyone, device)
@@ -172,9 +179,10 @@ class GradientChecks:
         table[1].index_copy_(0, index, (~fits).to(torch.uint8))
         table[2].index_fill_(0, index, 1)
         table[3].fill_(1).index_fill_(0, index, 0)
-        table[4:8].copy_(self._options_checksum(everyone, device))
-        if refused:
+        if refused:  # nothing else of this rank's is read (its groups may be what it refused)
             table[8].fill_(1)
+        else:
+            table[4:8].copy_(self._options_checksum(everyone, device))
         for group in verdict_groups:
             dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
             if self.comm_stats is not None:
@@ -199,12 +207,25 @@ class GradientChecks:
         built = (("capturable", self.capturable), ("replica_sync_every", self._replica_sync_every))
         key = (tuple(map(id, everyone)), described, built)
         if self._checksums is None or self._checksums[0] != key:
-            sums = [zlib.crc32(repr((d, built, self.param_name(p), tuple(p.shape), str(p.dtype))).encode()) & 0xFFFF
-                    for g, d in zip(self.param_groups, described) for p in g["params"]]
-            rows = [[s >> 8 for s in sums], [s & 0xFF for s in sums]]
-            rows += [[255 - b for b in row] for row in rows]
-            self._checksums = (key, torch.tensor(rows, dtype=torch.uint8, device=device))
+            # An lr schedule rebuilds this every eager step: each parameter's own part is hashed once
+            # (``_identity_bytes``), its group's chained onto it.
+            sums = []
+            for g, d in zip(self.param_groups, described):
+                start = zlib.crc32(repr((d, built)).encode())
+                sums += [zlib.crc32(self._identity_bytes(p), start) & 0xFFFF for p in g["params"]]
+            rows = torch.tensor(sums, dtype=torch.int32)
+            rows = torch.stack([rows >> 8, rows & 0xFF]).to(torch.uint8)
+            rows = torch.cat([rows, 255 - rows])
+            if device.type == "cuda":  # from pinned memory, without waiting for the stream
+                rows = rows.pin_memory().to(device, non_blocking=True)
+            self._checksums = (key, rows.to(device))
         return self._checksums[1]
+
+    def _identity_bytes(self, p: Tensor) -> bytes:
+        """``p``'s name, shape and dtype, as the checksum reads them (kept per parameter)."""
+        if p not in self._identities:
+            self._identities[p] = repr((self.param_name(p), tuple(p.shape), str(p.dtype))).encode()
+        return self._identities[p]
 
     def _positions_among(self, params: list[Tensor], everyone: list[Tensor], device: torch.device) -> Tensor:
         """Where ``params`` sit in ``everyone``, as a device index: built once per set of parameters
@@ -218,7 +239,7 @@ class GradientChecks:
                                                     device=device)
         return self._verdict_index[key]
 
-    def _raise_if_mixed(self, mixed: Tensor, refusal: ValueError | None = None) -> None:
+    def _raise_if_mixed(self, mixed: Tensor, refusal: Exception | None = None) -> None:
         """``mixed``: [3, parameters], gradients on some ranks only, options that differ by rank, and
         whether a rank refused the step (``refusal``: this rank's reason, if it did)."""
         if refusal is not None:
@@ -247,8 +268,8 @@ class GradientChecks:
         overflow fp16 this step although the gradient is finite: the step would turn its weights
         into NaN; and where an fp16 AdamW/Lion parameter's wider gradient would overflow when rounded
         to fp16. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are always True.
-        For such a matrix: one fp16 temporary of the new momentum (fp16 arithmetic overflows to
-        inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
+        For such a matrix: one temporary of the new momentum rounded to fp16 as the step rounds it
+        (inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
         fits = torch.ones(len(params), dtype=torch.bool, device=device)
         for i, (p, group) in enumerate(zip(params, groups)):
             if p.dtype != torch.float16:
@@ -298,12 +319,12 @@ class GradientChecks:
         return fits
 
     def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]],
-                        refusal: ValueError | None = None) -> list[tuple[dict, list[Tensor]]]:
+                        refusal: Exception | None = None) -> list[tuple[dict, list[Tensor]]]:
         """Capturable: record which gradients are non-finite without reading the verdict back.
         ``refusal``: see ``_drop_nonfinite``."""
         params = [p for _, ps in work for p in ps]
         # A rank without gradients still joins the verdict's all-reduce.
-        everyone, verdict_groups = self._verdict_scope()
+        everyone, verdict_groups = self._verdict_scope(refused=refusal is not None)
         if refusal is not None and not verdict_groups:
             raise refusal
         if params or verdict_groups:
@@ -354,12 +375,12 @@ class GradientChecks:
         )
 
     def _drop_nonfinite(self, work: list[tuple[dict, list[Tensor]]],
-                        refusal: ValueError | None = None) -> list[tuple[dict, list[Tensor]]]:
+                        refusal: Exception | None = None) -> list[tuple[dict, list[Tensor]]]:
         """Eager: refuse or drop what the verdict finds. ``refusal``: this rank's error from the checks
         before the verdict (then ``work`` has no gradients); raised here, after the verdict has told
         the other ranks, who raise too instead of waiting for this one."""
         params = [p for _, ps in work for p in ps]
-        everyone, verdict_groups = self._verdict_scope()
+        everyone, verdict_groups = self._verdict_scope(refused=refusal is not None)
         if refusal is not None and not verdict_groups:
             raise refusal
         if not params and not verdict_groups:
@@ -397,9 +418,11 @@ class GradientChecks:
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _verdict_scope(self) -> tuple[list[Tensor], list[dist.ProcessGroup]]:
-        """Every parameter of the optimizer, and the groups its step's verdicts are agreed over."""
-        everyone = self._all_params()
+    def _verdict_scope(self, refused: bool = False) -> tuple[list[Tensor], list[dist.ProcessGroup]]:
+        """Every parameter of the optimizer, and the groups its step's verdicts are agreed over. A
+        rank that refuses its step takes the parameters as they were added (its groups may be what
+        it refused, e.g. a parameter appended by hand): the table keeps the other ranks' size."""
+        everyone = sorted(self._positions, key=self._positions.__getitem__) if refused else self._all_params()
         return everyone, self._verdict_groups(everyone) if everyone else []
 
     def _verdict_groups(self, params: list[Tensor]) -> list[dist.ProcessGroup]:
@@ -420,15 +443,16 @@ class GradientChecks:
 
     def _mesh_groups_beyond(self, p: Tensor, groups: list[dist.ProcessGroup]) -> list[tuple[tuple, Any]]:
         """(ranks, group) of each dimension of ``p``'s mesh if it is sharded beyond the optimizer's
-        ``groups``, else nothing; computed once per parameter."""
+        ``groups``, else nothing; computed once per DTensor parameter."""
+        if not isinstance(p, DTensor):
+            return []
         if p not in self._beyond_meshes:
             beyond: list[tuple[tuple, Any]] = []
-            if isinstance(p, DTensor):
-                covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
-                mesh = p.device_mesh
-                if any(tuple(dist.get_process_group_ranks(mesh.get_group(dim))) not in covered
-                       for dim, placement in enumerate(p.placements) if not isinstance(placement, Replicate)):
-                    beyond = [(tuple(dist.get_process_group_ranks(mesh.get_group(dim))), mesh.get_group(dim))
-                              for dim in range(mesh.ndim)]
+            covered = {tuple(dist.get_process_group_ranks(g)) for g in groups}
+            mesh = p.device_mesh
+            if any(tuple(dist.get_process_group_ranks(mesh.get_group(dim))) not in covered
+                   for dim, placement in enumerate(p.placements) if not isinstance(placement, Replicate)):
+                beyond = [(tuple(dist.get_process_group_ranks(mesh.get_group(dim))), mesh.get_group(dim))
+                          for dim in range(mesh.ndim)]
             self._beyond_meshes[p] = beyond
         return self._beyond_meshes[p]

@@ -34,13 +34,15 @@ def adamw_update(
         # The kernel walks memory linearly: a tensor of another layout (a transposed view, channels_last)
         # steps as a contiguous copy, written back after. (CPU foreach ops, the other way, would round
         # β₂ = 0.999 to 1 for bf16 state.)
-        dense = [[t.contiguous() for t in ts] for ts in lists]
+        strided = not all(t.is_contiguous() for ts in lists for t in ts)
+        dense = [[t.contiguous() for t in ts] for ts in lists] if strided else lists
         torch._fused_adamw_(*dense, [], step, amsgrad=False, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=weight_decay_rate, eps=eps, maximize=False)
-        for ts, copies in zip((params, exp_avgs, exp_avg_sqs), (dense[0], dense[2], dense[3])):
-            for t, c in zip(ts, copies):
-                if c is not t:
-                    t.copy_(c)
+        if strided:
+            for ts, copies in zip((params, exp_avgs, exp_avg_sqs), (dense[0], dense[2], dense[3])):
+                for t, c in zip(ts, copies):
+                    if c is not t:
+                        t.copy_(c)
         return
     if isinstance(step, list) and all(s.device.type == "cpu" for s in step) and not isinstance(lr, Tensor):
         # Host step counts (reading them costs no sync): bias corrections as float64 numbers, one per

@@ -19,18 +19,26 @@ def lion_update(
     beta2: float,
     weight_decay_rate: float,
 ) -> None:
-    """X ← X(1 − lr·wd) − lr·sign(β₁M + (1−β₁)G);  M ← β₂M + (1−β₂)G."""
-    weight_decay.decay_(params, lr, weight_decay_rate)
+    """X ← X(1 − lr·wd) − lr·sign(β₁M + (1−β₁)G);  M ← β₂M + (1−β₂)G.
+
+    fp16/bf16 parameters: decay and step computed together in fp32 and rounded once, as the matrix
+    rules do (rounded on its own, X·(1 − lr·wd) is X again in bf16 whenever lr·wd < 2⁻⁹).
+    """
     direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_sign_(direction)
-    if isinstance(lr, Tensor):
+    if params and params[0].dtype in HALF:
+        decay = 1.0 - lr * weight_decay_rate  # a number, or a 0-dim tensor (no host read)
+        for x, d in zip(params, direction):
+            new = x.float()
+            if weight_decay_rate != 0.0:
+                new.mul_(decay)
+            # in fp32, where a number or tensor lr is exact (CPU kernels round one to bf16 first)
+            x.copy_(new.addcmul_(d, -lr) if isinstance(lr, Tensor) else new.add_(d, alpha=-lr))
+    elif isinstance(lr, Tensor):
+        weight_decay.decay_(params, lr, weight_decay_rate)
         torch._foreach_mul_(direction, -lr)
         torch._foreach_add_(params, direction)
-    elif params and params[0].device.type == "cpu" and params[0].dtype in HALF:
-        # CPU ops round a number ``alpha`` to bf16/fp16 first (lr off by up to 2⁻⁹ of itself): add
-        # in fp32 and round once.
-        for x, d in zip(params, direction):
-            x.copy_(torch.add(x.float(), d, alpha=-lr))
     else:
+        weight_decay.decay_(params, lr, weight_decay_rate)
         torch._foreach_add_(params, direction, alpha=-lr)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)

@@ -13,7 +13,8 @@ HALF = (torch.float16, torch.bfloat16)
 def add_scaled(g: Tensor, m: Tensor, mu: float, out: Tensor) -> Tensor:
     """out ← G + μ·M, with μ exact and one rounding to ``out``'s dtype (``out`` may be ``m``)."""
     if g.device.type == "cpu" and torch.promote_types(g.dtype, m.dtype) in HALF and mu != 1.0:
-        # In fp32 (where the scalar is exact), then rounded once: one matrix-sized fp32 temporary.
+        # In fp32 (where the scalar is exact), then rounded once: matrix-sized fp32 temporaries (M's
+        # widening and the sum), one matrix at a time.
         return out.copy_(torch.add(g, m.float(), alpha=mu))
     return torch.add(g, m, alpha=mu, out=out)
 

@@ -32,7 +32,7 @@ def decay_(params: list[Tensor], lr: LearningRate, weight_decay: float) -> None:
         return
     factor = 1.0 - lr * weight_decay
     if not isinstance(factor, Tensor) and params and params[0].device.type == "cpu" and params[0].dtype in HALF:
-        # CPU foreach ops round a number to bf16/fp16 first (1 − 0.0021 becomes 1 − 2⁻⁸, 2.7x the
+        # CPU foreach ops round a number to bf16/fp16 first (1 − 0.0021 becomes 1 − 2⁻⁸, 1.9x the
         # decay); a tensor's own mul_ keeps it exact, as torch.optim.AdamW's single-tensor step does.
         for x in params:
             x.mul_(factor)
