@@ -214,3 +214,17 @@ def test_selected_rows_decay_with_the_exact_mu(algorithm, dtype, mu, device):
     summed = (m0.double() + grad.double()).to(dtype)  # M + G, rounded (the step stores it)
     want = (mu * summed.double()).to(dtype)
     assert mismatches(opt.state[p]["momentum"], want) == 0.0, mismatches(opt.state[p]["momentum"], want)
+
+
+def test_an_fp16_adamw_second_moment_that_would_overflow_is_refused():
+    """A finite fp16 gradient of 1e4: (1 − β₂)·g² = 1e5 does not fit fp16, so the stored second moment
+    became inf and the parameter never moved again, silently. Refused now, or skipped; 5e3 fits."""
+    p = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = orthoptim.Dion3([{"params": [p], "algorithm": "adamw", "betas": (0.9, 0.999)}])
+    p.grad = torch.tensor([1.0, -2.0, 1e4, 3.0], dtype=torch.float16)
+    with pytest.raises(orthoptim.NonFiniteGradientError, match="second moment"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(4, dtype=torch.float16))
+    p.grad = torch.tensor([1.0, -2.0, 5e3, 3.0], dtype=torch.float16)
+    opt.step()
+    assert torch.isfinite(opt.state[p]["exp_avg_sq"]).all() and not torch.equal(p.detach(), torch.ones_like(p))

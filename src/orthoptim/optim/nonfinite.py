@@ -275,11 +275,24 @@ class GradientChecks:
             if p.dtype != torch.float16:
                 continue
             if group["algorithm"] not in MATRIX_ALGORITHMS:
+                g = local_tensor(p.grad)
+                if not g.numel():
+                    continue
                 # AdamW and Lion take the gradient in the parameter's dtype (``_scalar_step``): a wider
                 # one above 65504 would become inf there (the moments inf, the weights NaN).
-                g = local_tensor(p.grad)
-                if g.dtype != torch.float16 and g.numel():
-                    fits[i] = torch.isfinite(g.abs().amax().to(torch.float16)).to(device)
+                ok = torch.isfinite(g.abs().amax().to(torch.float16)) if g.dtype != torch.float16 else None
+                if group["algorithm"] == "adamw":
+                    # v ← β₂v + (1 − β₂)g², in fp32 as the kernels compute it, stored in fp16: above
+                    # 65504 (|g| ≳ 8100 with β₂ = 0.999) v is inf and the weights stop moving for good.
+                    beta2 = group["betas"][1]
+                    v = self.state.get(p, {}).get("exp_avg_sq")
+                    second = g.float().square().mul_(1.0 - beta2)
+                    if v is not None and local_tensor(v).numel():
+                        second.add_(local_tensor(v).float(), alpha=beta2)
+                    fits_v = torch.isfinite(second.amax().to(torch.float16))
+                    ok = fits_v if ok is None else ok & fits_v
+                if ok is not None:
+                    fits[i] = ok.to(device)
                 continue
             momentum = self.state.get(p, {}).get("momentum")
             if momentum is None or not local_tensor(momentum).numel():
@@ -397,9 +410,9 @@ class GradientChecks:
             return work
         reasons = {  # gradient finite? → (what is wrong, how to fix it)
             False: ("a non-finite gradient (NaN or Inf)", "Lower the learning rate, clip gradients"),
-            True: ("a finite gradient, but it or this step's momentum would overflow float16 (above 65504) and "
-                   "turn the weights into NaN", "Keep such parameters in bfloat16 or float32, scale the loss or "
-                   "gradients down"),
+            True: ("a finite gradient, but it or this step's momentum (or AdamW's second moment) would overflow "
+                   "float16 (above 65504) and turn the weights into NaN or stop them", "Keep such parameters in "
+                   "bfloat16 or float32, scale the loss or gradients down"),
         }
         bad = {p: reasons[grad_ok] for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist()) if not step_ok}
         for group, ps in work:
