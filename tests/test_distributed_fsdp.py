@@ -960,16 +960,20 @@ def _refused_on_one_rank(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(3)
     init, grad = torch.randn(16, 12, generator=gen), torch.randn(16, 12, generator=gen)
     out = {}
-    for case in ("lr", "int_grad", "appended", "key"):
+    for case in ("lr", "int_grad", "appended", "key", "after_removal"):
         p = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))
-        opt = orthoptim.Dion3([("w", p)], lr=0.05, distributed_mesh=mesh)
-        p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
-        if rank == 1 and case == "lr":
-            opt.param_groups[0]["lr"] = float("nan")
-        if rank == 1 and case == "int_grad":
-            p.grad.data = p.grad.data.to(torch.int64)
         extra = nn.Parameter(distribute_tensor(init.clone(), mesh, [Shard(0)]))  # (a collective: every rank)
         extra.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        opt = orthoptim.Dion3([("w", p), ("extra", extra)] if case == "after_removal" else [("w", p)], lr=0.05,
+                              distributed_mesh=mesh)
+        p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        if rank == 1 and case in ("lr", "after_removal"):
+            opt.param_groups[0]["lr"] = float("nan")
+        if case == "after_removal":  # taken out by hand on every rank: the refusing rank's table kept it
+            opt.param_groups[0]["params"].pop()
+            opt.param_groups[0]["param_names"].pop()
+        if rank == 1 and case == "int_grad":
+            p.grad.data = p.grad.data.to(torch.int64)
         if rank == 1 and case == "appended":  # the refusing rank's groups are not the others' size
             opt.param_groups[0]["params"].append(extra)
         if rank == 1 and case == "key":  # not a ValueError
@@ -992,7 +996,7 @@ def _refused_on_one_rank(rank: int, world: int) -> dict:
 
 def test_a_step_refused_on_one_rank_is_refused_on_every_rank():
     own = {"lr": "lr=nan", "int_grad": "dtype torch.int64", "appended": "put into group['params'] directly",
-           "key": "fraction"}
+           "key": "fraction", "after_removal": "lr=nan"}
     for rank, result in enumerate(run_distributed(_refused_on_one_rank, 2, timeout=90)):
         for case, reason in own.items():
             message, unchanged = result[case]

@@ -190,7 +190,7 @@ def test_an_fp32_gradient_too_large_for_an_fp16_vector_is_refused(algorithm):
         assert torch.equal(p.detach(), x0)
         assert all(torch.count_nonzero(t) == 0 for t in opt.state[p].values() if t.is_floating_point()
                    and t.ndim), opt.state[p]
-    p.grad = torch.tensor([1.0, -2.0, 6e4, 3.0])  # fits float16: stepped
+    p.grad = torch.tensor([1.0, -2.0, 100.0, 3.0])  # fits float16 (and so does AdamW's second moment): stepped
     opt.step()
     assert torch.isfinite(p).all() and not torch.equal(p.detach(), x0)
 
@@ -228,3 +228,18 @@ def test_an_fp16_adamw_second_moment_that_would_overflow_is_refused():
     p.grad = torch.tensor([1.0, -2.0, 5e3, 3.0], dtype=torch.float16)
     opt.step()
     assert torch.isfinite(opt.state[p]["exp_avg_sq"]).all() and not torch.equal(p.detach(), torch.ones_like(p))
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_the_second_moment_check_is_exact_past_its_bound(capturable):
+    """The bound β₂·max v + (1 − β₂)·max g² can exceed fp16 where no entry does (the largest v and the
+    largest g in different entries): such a step is taken, not refused."""
+    p = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    opt = orthoptim.Dion3([{"params": [p], "algorithm": "adamw", "betas": (0.9, 0.5)}], capturable=capturable)
+    p.grad = torch.tensor([0.0, 300.0], dtype=torch.float16)
+    opt.step()  # v = [0, 45000]
+    p.grad = torch.tensor([300.0, 0.0], dtype=torch.float16)  # bound 22500 + 45000 > 65504; entries 45000, 22500
+    opt.step()
+    if capturable:
+        opt.check_nonfinite()  # raises if the step was flagged
+    assert torch.isfinite(opt.state[p]["exp_avg_sq"]).all() and opt.state[p]["exp_avg_sq"][0] == 45000

@@ -216,9 +216,9 @@ class GradientChecks:
             rows = torch.tensor(sums, dtype=torch.int32)
             rows = torch.stack([rows >> 8, rows & 0xFF]).to(torch.uint8)
             rows = torch.cat([rows, 255 - rows])
-            if device.type == "cuda":  # from pinned memory, without waiting for the stream
+            if device.type == "cuda" and not capturing():  # from pinned memory, without waiting for the stream
                 rows = rows.pin_memory().to(device, non_blocking=True)
-            self._checksums = (key, rows.to(device))
+            self._checksums = (key, rows.to(device))  # (in a capture: a copy, which capture refuses, loudly)
         return self._checksums[1]
 
     def _identity_bytes(self, p: Tensor) -> bytes:
@@ -271,6 +271,7 @@ class GradientChecks:
         For such a matrix: one temporary of the new momentum rounded to fp16 as the step rounds it
         (inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
         fits = torch.ones(len(params), dtype=torch.bool, device=device)
+        second_moments: list[tuple[int, Tensor, Tensor, float]] = []  # fp16 AdamW parameters
         for i, (p, group) in enumerate(zip(params, groups)):
             if p.dtype != torch.float16:
                 continue
@@ -280,19 +281,10 @@ class GradientChecks:
                     continue
                 # AdamW and Lion take the gradient in the parameter's dtype (``_scalar_step``): a wider
                 # one above 65504 would become inf there (the moments inf, the weights NaN).
-                ok = torch.isfinite(g.abs().amax().to(torch.float16)) if g.dtype != torch.float16 else None
+                if g.dtype != torch.float16:
+                    fits[i] = torch.isfinite(g.abs().amax().to(torch.float16)).to(device)
                 if group["algorithm"] == "adamw":
-                    # v ← β₂v + (1 − β₂)g², in fp32 as the kernels compute it, stored in fp16: above
-                    # 65504 (|g| ≳ 8100 with β₂ = 0.999) v is inf and the weights stop moving for good.
-                    beta2 = group["betas"][1]
-                    v = self.state.get(p, {}).get("exp_avg_sq")
-                    second = g.float().square().mul_(1.0 - beta2)
-                    if v is not None and local_tensor(v).numel():
-                        second.add_(local_tensor(v).float(), alpha=beta2)
-                    fits_v = torch.isfinite(second.amax().to(torch.float16))
-                    ok = fits_v if ok is None else ok & fits_v
-                if ok is not None:
-                    fits[i] = ok.to(device)
+                    second_moments.append((i, p, g, group["betas"][1]))
                 continue
             momentum = self.state.get(p, {}).get("momentum")
             if momentum is None or not local_tensor(momentum).numel():
@@ -329,7 +321,31 @@ class GradientChecks:
                 if nesterov:
                     size = torch.maximum(size, add_scaled(g, new, mu, out=torch.empty_like(m)).abs().amax())
             fits[i] = size.to(device=device, dtype=torch.float32) <= top
+        if second_moments:
+            self._second_moments_fit(second_moments, fits, device)
         return fits
+
+    def _second_moments_fit(self, entries: list[tuple[int, Tensor, Tensor, float]], fits: Tensor,
+                            device: torch.device) -> None:
+        """fp16 AdamW: v ← β₂v + (1 − β₂)g², computed in fp32 by the kernels and stored in fp16, is inf
+        above 65504 (|g| ≳ 8100 with β₂ = 0.999), and the weights then stop moving for good. The bound
+        β₂·max v + (1 − β₂)·max g² clears nearly every step with one host read for all of them; the
+        exact check (two fp32 temporaries) runs where it does not, and in capturable steps, which
+        cannot read the bound."""
+        top = torch.finfo(torch.float16).max
+        states = [local_tensor(self.state.get(p, {}).get("exp_avg_sq", torch.zeros(0))) for _, p, _, _ in entries]
+        if not self.capturable:
+            bounds = torch.stack([
+                (1.0 - beta2) * g.abs().amax().float() ** 2 + (beta2 * v.abs().amax().float() if v.numel() else 0.0)
+                for (_, _, g, beta2), v in zip(entries, states)])
+            entries_states = [(e, v) for e, v, b in zip(entries, states, bounds.tolist()) if b > top]
+        else:
+            entries_states = list(zip(entries, states))
+        for (i, _, g, beta2), v in entries_states:
+            second = g.float().square().mul_(1.0 - beta2)
+            if v.numel():
+                second.add_(v.float(), alpha=beta2)
+            fits[i] &= torch.isfinite(second.amax().to(torch.float16)).to(device)
 
     def _flag_nonfinite(self, work: list[tuple[dict, list[Tensor]]],
                         refusal: Exception | None = None) -> list[tuple[dict, list[Tensor]]]:
@@ -433,9 +449,11 @@ class GradientChecks:
 
     def _verdict_scope(self, refused: bool = False) -> tuple[list[Tensor], list[dist.ProcessGroup]]:
         """Every parameter of the optimizer, and the groups its step's verdicts are agreed over. A
-        rank that refuses its step takes the parameters as they were added (its groups may be what
-        it refused, e.g. a parameter appended by hand): the table keeps the other ranks' size."""
-        everyone = sorted(self._positions, key=self._positions.__getitem__) if refused else self._all_params()
+        rank that refuses its step leaves out what it may have refused (a tensor put into a group by
+        hand, one listed twice), so that its table keeps the other ranks' size."""
+        everyone = self._all_params()
+        if refused:  # each registered tensor once, as every other rank lists them
+            everyone = list(dict.fromkeys(p for p in everyone if isinstance(p, Tensor) and p in self._positions))
         return everyone, self._verdict_groups(everyone) if everyone else []
 
     def _verdict_groups(self, params: list[Tensor]) -> list[dist.ProcessGroup]:

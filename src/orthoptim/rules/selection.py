@@ -113,11 +113,12 @@ def gather_slices(momenta: list[Tensor], index: Index, dim: int) -> Tensor:
 def decay_slices_(targets: list[Tensor], index: Index, current: Tensor, dim: int, mu: float) -> None:
     """targets[i][S_i] ← μ · targets[i][S_i], given ``current`` = the gathered slices (``gather_slices``).
 
-    Written as one in-place add of (μ − 1)·current: no scaled copy of the batch is allocated. On CPUs,
-    whose kernels round a number ``alpha`` to a bf16/fp16 tensor's dtype (1 − μ off by up to 2⁻⁹),
-    such momenta take μ·current computed in fp32 and rounded once instead.
+    Written as one in-place add of (μ − 1)·current: no scaled copy of the batch is allocated. For
+    bf16/fp16 momenta, whose ``index_add_`` rounds a number ``alpha`` to their dtype (on CPUs; on CUDA
+    too, as its kernel reads it; 1 − μ off by up to 2⁻⁹), μ·current computed in fp32 and rounded
+    once instead (a copy of the selected slices).
     """
-    if _rounds_alpha(targets[0]):
+    if _half(targets[0]):
         for i, t in enumerate(targets):
             rows = current[i].narrow(dim, 0, len(index[i]))
             t.index_copy_(dim, index[i], (rows.float() * mu).to(t.dtype))
@@ -125,8 +126,8 @@ def decay_slices_(targets: list[Tensor], index: Index, current: Tensor, dim: int
     add_slices_(targets, index, current, dim, alpha=mu - 1.0)
 
 
-def _rounds_alpha(t: Tensor) -> bool:
-    return t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16)
+def _half(t: Tensor) -> bool:
+    return t.dtype in (torch.float16, torch.bfloat16)
 
 
 def add_slices_(targets: list[Tensor], index: Index, values: Tensor, dim: int, alpha: float | Tensor) -> None:
@@ -197,7 +198,7 @@ def decay_stacked_(stack: Tensor, index: Tensor, current: Tensor, dim: int, mu: 
     if dim == 0 and stack.is_contiguous():
         batch, rows, cols = stack.shape
         flat = (index + torch.arange(batch, device=index.device)[:, None] * rows).flatten()
-        if _rounds_alpha(stack):  # as decay_slices_: μ·current in fp32, rounded once
+        if _half(stack):  # as decay_slices_: μ·current in fp32, rounded once
             stack.view(batch * rows, cols).index_copy_(0, flat, (current.flatten(0, 1).float() * mu).to(stack.dtype))
         else:
             stack.view(batch * rows, cols).index_add_(0, flat, current.flatten(0, 1), alpha=mu - 1.0)
