@@ -143,7 +143,7 @@ def _classify(model: nn.Module, include_frozen: bool = False) -> dict[int, tuple
                 raise ValueError(
                     f"parameter {name} is the weight of an embedding built with sparse=True; orthoptim needs "
                     "dense gradients: build it with sparse=False, or leave it out here (requires_grad_(False) "
-                    "while param_groups() runs) and give it to torch.optim.SparseAdam")
+                    "while param_groups() runs, without include_frozen=True) and give it to torch.optim.SparseAdam")
             if id(p) in embeddings:
                 tied = " (tied to the output head)" if id(p) in heads else ""
                 kinds[id(p)] = ("scalar", f"embedding of {embeddings[id(p)]}{tied}")

@@ -42,8 +42,8 @@ def _described(value: Any) -> str:
     number by its value (np.float64(0.01), 0.01 and a 1 for 1.0 are the same option)."""
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return repr(float(value))
-    if isinstance(value, tuple):
-        return repr(tuple(_described(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return repr(type(value)(_described(v) for v in value))
     if callable(value):
         return getattr(value, "__qualname__", type(value).__name__)
     return repr(value)
