@@ -21,6 +21,8 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _inside(filename: str) -> bool:
+    if filename.startswith("<"):  # <stdin>, <string>: the user's (abspath would join it to the cwd)
+        return False
     path = os.path.abspath(filename)
     if path.startswith(_LIBRARY):
         return not path.startswith(_CALLERS)
