@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import re
 import warnings
 
@@ -1099,3 +1100,15 @@ def test_warnings_point_at_the_callers_line():
     with pytest.warns(UserWarning, match="has no") as record:
         opt.load_state_dict(saved)
     assert {w.filename for w in record} == {__file__}
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_torch_spellings_of_constructor_options_are_named(name):
+    """torch.optim's eps= and momentum= are orthoptim's epsilon= and mu=; Python's own TypeError
+    said only that the keyword was unexpected. Other unknown keywords keep Python's message."""
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    with pytest.raises(TypeError, match=r"\['eps'\]; in orthoptim eps= is epsilon="):
+        CLASSES[name]([p], eps=1e-6)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        CLASSES[name]([p], bogus=1)
+    assert "epsilon" in inspect.signature(CLASSES[name]).parameters  # the signature is the constructor's

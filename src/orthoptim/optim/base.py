@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
+import inspect
 import math
 import operator
 from collections import defaultdict
@@ -145,7 +147,7 @@ _STACKED_STATE = {"dion2": ("momentum",), "dion3": ("momentum", "variance")}
 
 # Names torch.optim's optimizers give options that orthoptim calls otherwise.
 _TORCH_NAMES = {"eps": "epsilon", "momentum": "mu", "beta1": "betas", "beta2": "betas",
-                "adjust_lr_fn": "adjust_lr", "ns_steps": "orthogonalizer"}
+                "adjust_lr_fn": "adjust_lr"}
 
 
 def _refuse_a_set(params: Any, what: str) -> None:
@@ -184,6 +186,27 @@ def _first(fn: Callable[..., tuple[Tensor, ...]]) -> Callable[..., Tensor]:
 class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, CheckedOrthogonalizers,
                            Optimizer):
     """Base class: validates groups up front, creates state eagerly, megabatches same-shape matrices."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A keyword torch.optim's optimizers spell otherwise (eps=, momentum=) gets its orthoptim name
+        # in the TypeError, which Python's own message lacks. The signature is bound first, so the
+        # constructor itself runs unwrapped and its own errors pass through untouched.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        signature = inspect.signature(init)
+
+        @functools.wraps(init)
+        def checked_init(self: Any, *args: Any, **kw: Any) -> None:
+            unknown = [key for key in kw if key not in signature.parameters]
+            hints = [f"{key}= is {_TORCH_NAMES[key]}=" for key in unknown if key in _TORCH_NAMES]
+            if hints and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+                raise TypeError(f"{cls.__name__}() got unexpected keyword argument(s) {unknown}; in orthoptim "
+                                f"{', '.join(hints)}")
+            init(self, *args, **kw)
+
+        cls.__init__ = checked_init
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], distributed_mesh: Any = None,
                  replicate_mesh: Any = None, inner_shard_mesh: Any = None, capturable: bool = False) -> None:
