@@ -159,6 +159,28 @@ def test_resume_refuses_changes(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 1
 
 
+def test_resume_refuses_another_optimizers_checkpoint_and_another_cpu_iteration_dtype(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """A muon checkpoint copied over dion3's resumed with a warning and was reported as dion3's; a run
+    moved to a CPU whose polar iterations run in another dtype continued with other numbers."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "float32")
+    assert _train(tmp_path, "--compare", "dion3,muon", "--steps", "4", "--stop-at", "2", "--out", str(out),
+                  "--no-plot") == 0
+    capsys.readouterr()
+    checkpoints = out / "checkpoints"
+    own = (checkpoints / "dion3.pt").read_bytes()
+    (checkpoints / "dion3.pt").write_bytes((checkpoints / "muon.pt").read_bytes())
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
+    assert "dion3.pt holds a checkpoint of 'muon', not of 'dion3'" in capsys.readouterr().err
+    (checkpoints / "dion3.pt").write_bytes(own)
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "bfloat16")
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
+    assert "ORTHOPTIM_CPU_DTYPE=float32 to continue as it ran" in capsys.readouterr().err
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "float32")
+    assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 0
+
+
 def test_resume_refuses_other_data_an_edited_config_and_unreadable_files(tmp_path, capsys):
     """Each of these used to resume (on the new data, or under the edited lr, recorded as if it had
     held from the start) or end in a traceback."""

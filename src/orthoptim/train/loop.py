@@ -420,6 +420,7 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
             raise CheckpointError(f"{ckpt_file} is not a checkpoint of orthoptim train (no model, optimizer, step "
                                   "and history in it); remove it to retrain that optimizer from the start")
         check_same_config(ckpt_file, ckpt.get("config"), cfg)
+        check_same_run(ckpt_file, ckpt, name, device)
         load_full_state(model, optimizer, ckpt, parallel)
         step, history, earlier_peak_mb = ckpt["step"], ckpt["history"], ckpt.get("peak_memory_mb", 0.0)
 
@@ -433,6 +434,7 @@ def train(name: str, cfg: TrainConfig, data: Dataset, out_dir: Path, *, stop_at:
         if rank == 0:
             save_torch(ckpt_file, {"model": model_sd, "optimizer": optim_sd, "step": step,
                                    "history": history, "config": asdict(cfg), "optimizer_name": name,
+                                   "cpu_iteration_dtype": _cpu_iteration_dtype(device),
                                    "peak_memory_mb": max(earlier_peak_mb, peak_memory_mb(device)[0])})
         if world_size > 1:
             dist.barrier()  # the other ranks wait until rank 0 has written it
@@ -551,6 +553,25 @@ def check_same_config(ckpt_file: Path, saved: dict | None, cfg: TrainConfig) -> 
         what = ", ".join(f"{k} {saved[k]!r} → {now[k]!r}" for k in changed)
         raise CheckpointError(f"{ckpt_file} was trained with another configuration ({what}); resume with the "
                               "config.json it was written with, or start a new run")
+
+
+def check_same_run(ckpt_file: Path, ckpt: dict, name: str, device: torch.device) -> None:
+    """The checkpoint is this optimizer's (a file copied over another's loaded with a warning and was
+    reported under the wrong name), and on CPUs it continues in the iterations' dtype it ran in (a
+    run moved between CPUs with and without bf16 matrix units changed its numbers silently)."""
+    saved = ckpt.get("optimizer_name")
+    if saved is not None and saved != name:
+        raise CheckpointError(f"{ckpt_file} holds a checkpoint of {saved!r}, not of {name!r}; put back the "
+                              f"file {name} wrote, or remove it to retrain {name} from the start")
+    saved, now = ckpt.get("cpu_iteration_dtype"), _cpu_iteration_dtype(device)
+    if saved is not None and now is not None and saved != now:
+        raise CheckpointError(f"{ckpt_file} ran its polar iterations in {saved} on the CPU and would continue "
+                              f"in {now} here; resume with ORTHOPTIM_CPU_DTYPE={saved} to continue as it ran")
+
+
+def _cpu_iteration_dtype(device: torch.device) -> str | None:
+    """The polar iterations' dtype where they run on the CPU (None elsewhere)."""
+    return str(cpu_dtype.iteration_dtype()).removeprefix("torch.") if device.type == "cpu" else None
 
 
 def _as_json(value: Any) -> Any:
