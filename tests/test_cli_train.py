@@ -178,7 +178,13 @@ def test_resume_refuses_another_optimizers_checkpoint_and_another_cpu_iteration_
     assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 1
     assert "ORTHOPTIM_CPU_DTYPE=float32 to continue as it ran" in capsys.readouterr().err
     monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "float32")
+    # resumed on "another machine": the record keeps the first job's environment, which differs
+    import orthoptim.cli.train as cli_train
+    first = json.loads((out / "config.json").read_text())["environment"]
+    monkeypatch.setattr(cli_train, "environment", lambda device: {**first, "platform": "elsewhere"})
     assert main(["train", "--resume", str(out), "--no-plot", "--quiet"]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["environment"]["platform"] == "elsewhere" and record["earlier_environments"] == [first]
 
 
 def test_resume_refuses_other_data_an_edited_config_and_unreadable_files(tmp_path, capsys):

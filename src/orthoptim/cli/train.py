@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import math
 import os
@@ -367,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
                                f"({type(e).__name__}: {e}); `orthoptim train` writes it: do not edit it") from None
         check_config(cfg)
         data_digest = saved.get("data_sha256")
+        earlier = [*saved.get("earlier_environments", []), *([saved["environment"]] if "environment" in saved else [])]
     else:
         cfg = resolve_config(given)
         out_dir = Path(given.get("out") or time.strftime("runs/train-%Y%m%d-%H%M%S"))
@@ -374,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--out {out_dir} already holds a run; continue it with --resume {out_dir} "
                              "or choose another --out")
         check_out_dir(out_dir)  # created by rank 0 in compare, once the layout is known to work
-        data_digest = None
+        data_digest, earlier = None, []
     stop_at = given.get("stop_at")
     if stop_at is not None and stop_at >= cfg.steps:
         raise UsageError(f"--stop-at {stop_at} must be smaller than --steps {cfg.steps}")
@@ -391,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
     rank, parallel = start_distributed(cfg, mode, given.get("hsdp"))
     try:
         compare(cfg, out_dir, stop_at=stop_at, quiet=quiet or rank != 0, plot=plot, rank=rank, parallel=parallel,
-                data_digest=data_digest)
+                data_digest=data_digest, earlier_environments=earlier)
         if dist.is_initialized():
             # No rank closes its connections while another still has a collective in flight: gloo
             # aborts a process (SIGABRT) whose peer hangs up mid-transfer. Only on success: after an
@@ -445,9 +447,11 @@ def start_distributed(cfg: TrainConfig, mode: str | None = None,
 
 
 def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool, plot: bool, rank: int,
-            parallel: Parallel | None = None, data_digest: str | None = None) -> None:
+            parallel: Parallel | None = None, data_digest: str | None = None,
+            earlier_environments: list[dict] | None = None) -> None:
     """Train each optimizer of ``cfg`` in turn; rank 0 writes the results after each one. ``data_digest``
-    (a resumed run's): the data must still be the data it trained on."""
+    (a resumed run's): the data must still be the data it trained on. ``earlier_environments``: those
+    of the jobs a resumed run ran in before, kept in the record where they differ from this one's."""
     dataset = load_dataset(cfg)
     digest = dataset.digest()
     if data_digest is not None and digest != data_digest:
@@ -461,9 +465,17 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
     header = {"command": command, "config": asdict(cfg), "data": dataset.description, "data_sha256": digest,
               "environment": {**environment(cfg.device), "processes": int(os.environ.get("WORLD_SIZE", "1")),
                               "parallel": layout}}
+    # A run resumed under another layout, on another machine or in another dtype says so: each job's
+    # environment where it differs from the one after it (this one's last).
+    chain = [*(earlier_environments or []), header["environment"]]
+    earlier = [env for env, after in itertools.pairwise(chain) if env != after]
+    if earlier:
+        header["earlier_environments"] = earlier
     if rank == 0:
         check_out_dir(out_dir, create=True)
-        write_json(out_dir / "config.json", header)
+        # A resumed run's record is rewritten once it has trained: a refused resume leaves it as it was.
+        if data_digest is None:
+            write_json(out_dir / "config.json", header)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     say(f"data: {dataset.description}")
     say(f"output: {out_dir}   reproduce: {command}")
@@ -488,6 +500,8 @@ def compare(cfg: TrainConfig, out_dir: Path, *, stop_at: int | None, quiet: bool
         except CheckpointError as e:
             raise CommandError(f"{name}: {e}") from None
         if rank == 0:
+            if data_digest is not None:
+                write_json(out_dir / "config.json", header)
             write_results(out_dir, header, runs, started)
     if rank != 0:
         return
