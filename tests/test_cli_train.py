@@ -104,6 +104,7 @@ def test_resuming_on_another_kind_of_device_keeps_the_autocast_the_run_had(tmp_p
     (["--fraction", "1.5"], "--fraction 1.5 must be in (0, 1]"),
     (["--lr", "muon=0.01"], "--lr names muon, which this run does not train"),
     (["--lr", "sgd=0.1"], "unknown optimizer 'sgd'"),
+    (["--scalar-lr", "0"], "the learning rate must be > 0"),  # as --lr 0 (it froze embeddings, head, norms)
     (["--stop-at", "50", "--steps", "10"], "--stop-at 50 must be smaller than --steps 10"),
     (["--warmup", "0.6", "--cooldown", "0.6"], "exceeds 1"),
     (["--device", "tpu"], "--device 'tpu' is not a device"),

@@ -100,13 +100,17 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _positive_lr(text: str) -> float:
+    value = _finite_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("the learning rate must be > 0")
+    return value
+
+
 def _lr_spec(text: str) -> dict[str, float] | float:
     """``0.02`` (every optimizer) or ``muon=0.03,adamw=0.002``."""
     if "=" not in text:
-        value = _finite_float(text)
-        if value == 0:
-            raise argparse.ArgumentTypeError("the learning rate must be > 0")
-        return value
+        return _positive_lr(text)
     out: dict[str, float] = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
@@ -204,7 +208,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     opt.add_argument("--lr", type=_lr_spec, metavar="LR",
                      help="peak learning rate: one number for every optimizer or NAME=LR,... per optimizer "
                           f"(default: {', '.join(f'{k}={v:g}' for k, v in DEFAULT_LR.items())})")
-    opt.add_argument("--scalar-lr", type=_finite_float, metavar="LR",
+    opt.add_argument("--scalar-lr", type=_positive_lr, metavar="LR",
                      help="lr of the AdamW groups (embeddings, head, norms) of the orthonormal optimizers "
                           f"(default: adamw's lr from --lr adamw=LR, else {DEFAULT_LR['adamw']:g})")
     opt.add_argument("--weight-decay", type=_finite_float, metavar="WD",
