@@ -103,7 +103,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="parameter and state dtype")
     p.add_argument("--warmup", type=int, default=2, metavar="N", help="untimed steps per optimizer")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed steps per optimizer (median reported)")
-    p.add_argument("--no-accuracy", action="store_true", help="skip the orthogonalization accuracy column")
+    p.add_argument("--no-accuracy", action="store_true",
+                   help="skip the orthogonalization accuracy column (measured on fp32 inputs, whatever --dtype)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads for torch (default: torch's choice, one per core)")
     p.add_argument("--seed", type=seed_int, default=0, help="seed of the parameters, gradients and accuracy matrices")
@@ -212,6 +213,6 @@ def bench_table(rows: list[dict], no_accuracy: bool) -> str:
         if not no_accuracy:
             cells.append(f"{r['orth_error']:.2e}" if r.get("orth_error") is not None else "-")
         body.append(cells)
-    note = ("orth error: ||orth(A) - polar(A)||_F / ||polar(A)||_F on Gaussian A of the shapes the optimizer "
-            "orthogonalizes, worst shape")
+    note = ("orth error: ||orth(A) - polar(A)||_F / ||polar(A)||_F on Gaussian fp32 A (whatever --dtype) of the "
+            "shapes the optimizer orthogonalizes, worst shape")
     return format_table(head, body) + ("" if no_accuracy else "\n" + note)
