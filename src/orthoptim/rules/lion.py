@@ -6,7 +6,6 @@ import torch
 from torch import Tensor
 
 from orthoptim.rules import weight_decay
-from orthoptim.rules.momentum import HALF
 
 
 def lion_update(
@@ -26,14 +25,9 @@ def lion_update(
     """
     direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_sign_(direction)
-    if params and params[0].dtype in HALF:
-        decay = 1.0 - lr * weight_decay_rate  # a number, or a 0-dim tensor (no host read)
-        for x, d in zip(params, direction):
-            new = x.float()
-            if weight_decay_rate != 0.0:
-                new.mul_(decay)
-            # in fp32, where a number or tensor lr is exact (CPU kernels round one to bf16 first)
-            x.copy_(new.addcmul_(d, -lr) if isinstance(lr, Tensor) else new.add_(d, alpha=-lr))
+    if params and params[0].dtype in weight_decay.ROUNDED_ONCE:
+        # in fp32, where a number or tensor lr is exact (CPU kernels round one to bf16 first)
+        weight_decay.decay_and_apply_rounded_once_(params, direction, lr, weight_decay_rate, lr)
     elif isinstance(lr, Tensor):
         weight_decay.decay_(params, lr, weight_decay_rate)
         torch._foreach_mul_(direction, -lr)

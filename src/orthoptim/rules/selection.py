@@ -10,6 +10,8 @@ from itertools import repeat
 import torch
 from torch import Tensor
 
+from orthoptim.rules.momentum import HALF
+
 
 def ceil_fraction(fraction: float, size: int) -> int:
     """ceil(fraction · size): the fewest k slices whose share k / size (as a float) reaches ``fraction``.
@@ -127,7 +129,7 @@ def decay_slices_(targets: list[Tensor], index: Index, current: Tensor, dim: int
 
 
 def _half(t: Tensor) -> bool:
-    return t.dtype in (torch.float16, torch.bfloat16)
+    return t.dtype in HALF
 
 
 def add_slices_(targets: list[Tensor], index: Index, values: Tensor, dim: int, alpha: float | Tensor) -> None:

@@ -60,7 +60,7 @@ def apply_(params: list[Tensor], updates: Tensor, step_size: LearningRate) -> No
 # Parameter dtypes whose decay and update are computed together in fp32 and rounded once: rounded
 # on its own, X·(1 − lr·wd) is X again in bf16 whenever lr·wd < 2⁻⁹, and decoupled weight decay
 # would have no effect at all.
-ROUNDED_ONCE = (torch.float16, torch.bfloat16)
+ROUNDED_ONCE = HALF
 
 
 def decay_and_apply_(params: list[Tensor], updates: Tensor, lr: LearningRate, weight_decay: float,
@@ -77,8 +77,15 @@ def decay_and_apply_(params: list[Tensor], updates: Tensor, lr: LearningRate, we
         decay_(params, lr, weight_decay)
         apply_(params, updates, step_size)
         return
+    decay_and_apply_rounded_once_(params, list(updates.unbind(0)), lr, weight_decay, step_size)
+
+
+def decay_and_apply_rounded_once_(params: list[Tensor], updates: list[Tensor], lr: LearningRate,
+                                  weight_decay: float, step_size: LearningRate) -> None:
+    """X ← X·(1 − lr·wd) − step_size·U computed in fp32 from the old X, one tensor at a time, and
+    rounded once to X's dtype (``ROUNDED_ONCE``); ``updates`` pair with ``params`` (any shapes)."""
     decay = 1.0 - lr * weight_decay  # a number, or a 0-dim tensor (no host read)
-    for x, u in zip(params, updates.unbind(0)):
+    for x, u in zip(params, updates):
         new = x.float()
         if weight_decay != 0.0:
             new.mul_(decay)
