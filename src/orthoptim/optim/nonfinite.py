@@ -464,12 +464,14 @@ class GradientChecks:
         whole world, which under pipeline parallelism spans stages whose optimizers hold other
         parameters (their tables differ in size, and the reductions would pair with the wrong ones)."""
         own = [g for g in (self._process_group, self._replicate_group, self._inner_group) if g is not None]
+        beyond = [pair for p in params for pair in self._mesh_groups_beyond(p, own)]
+        if not beyond:  # every step of most layouts: no rank lists to read
+            return own
         groups, seen = list(own), {tuple(dist.get_process_group_ranks(g)) for g in own}
-        for p in params:
-            for ranks, group in self._mesh_groups_beyond(p, own):
-                if ranks not in seen:
-                    seen.add(ranks)
-                    groups.append(group)
+        for ranks, group in beyond:
+            if ranks not in seen:
+                seen.add(ranks)
+                groups.append(group)
         return groups
 
     def _mesh_groups_beyond(self, p: Tensor, groups: list[dist.ProcessGroup]) -> list[tuple[tuple, Any]]:
