@@ -66,6 +66,11 @@ def iteration_dtype() -> torch.dtype:
     return torch.bfloat16 if fast else torch.float32
 
 
+def iteration_dtype_name() -> str:
+    """``iteration_dtype()`` as ``ORTHOPTIM_CPU_DTYPE`` spells it, e.g. ``"bfloat16"``."""
+    return str(iteration_dtype()).removeprefix("torch.")
+
+
 def describe() -> str:
     """What was asked and what runs, e.g. ``"auto -> bfloat16"``: for the records of runs and benchmarks."""
-    return f"{requested()} -> {str(iteration_dtype()).removeprefix('torch.')}"
+    return f"{requested()} -> {iteration_dtype_name()}"

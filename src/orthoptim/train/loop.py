@@ -571,7 +571,7 @@ def check_same_run(ckpt_file: Path, ckpt: dict, name: str, device: torch.device)
 
 def _cpu_iteration_dtype(device: torch.device) -> str | None:
     """The polar iterations' dtype where they run on the CPU (None elsewhere)."""
-    return str(cpu_dtype.iteration_dtype()).removeprefix("torch.") if device.type == "cpu" else None
+    return cpu_dtype.iteration_dtype_name() if device.type == "cpu" else None
 
 
 def _as_json(value: Any) -> Any:
