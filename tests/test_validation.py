@@ -283,6 +283,46 @@ def test_add_param_group_with_bad_options_leaves_existing_groups(options, exc, f
     opt.step()
 
 
+@pytest.mark.parametrize("name", list(CLASSES))
+@pytest.mark.parametrize("fails_at", [1, 2])
+def test_add_param_group_that_fails_making_state_can_be_retried(name, fails_at, monkeypatch):
+    """Out of memory while the new group's state is made (the fails_at-th parameter's): the group is
+    taken out again, so the same call can be retried, and the steps then match a cleanly added group."""
+    def with_extra(model):
+        model.extra = nn.Linear(8, 8)
+        model.extra2 = nn.Linear(8, 8)
+        return ["out.weight", "extra.weight", "extra2.weight"]
+
+    model, opt = live_optimizer(name)
+    names = with_extra(model)
+    before = snapshot(model, opt)
+    real, calls = type(opt)._init_state, []
+
+    def failing(self, p, group):
+        calls.append(p)
+        if len(calls) == fails_at:
+            raise torch.OutOfMemoryError("simulated")
+        return real(self, p, group)
+
+    monkeypatch.setattr(type(opt), "_init_state", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.add_param_group(named_group(model, *names))
+    monkeypatch.setattr(type(opt), "_init_state", real)
+    assert len(opt.param_groups) == 3
+    assert all(dict(model.named_parameters())[n] not in opt.state for n in names)
+    assert_unchanged(before, model, opt)
+
+    opt.add_param_group(named_group(model, *names))  # the retry
+    clean_model, clean = live_optimizer(name)
+    clean.add_param_group(named_group(clean_model, *with_extra(clean_model)))
+    for m, o in ((model, opt), (clean_model, clean)):
+        for t in (2, 3):
+            set_grads(m, t)
+            o.step()
+    for (n, a), b in zip(model.named_parameters(), clean_model.parameters(), strict=True):
+        assert torch.equal(a, b), n
+
+
 # ----------------------------------------------------------------------------- non-finite gradients
 BAD_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 BAD_PARAMS = ["lin.weight", "conv.weight", "norm.bias", "emb.weight"]  # matrix, flattened conv, AdamW ×2

@@ -345,18 +345,30 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 g.setdefault("param_names", [self.param_name(q) for q in g["params"]])
         super().add_param_group({**param_group, "params": raw})
         group = self.param_groups[-1]
-        if self.capturable:
-            self._lr_to_tensor(group, index)
-        elif "lr" not in param_group and isinstance(group["lr"], Tensor):
-            # An inherited tensor lr is copied: schedulers fill each group's lr in place, and groups
-            # sharing one tensor would all take the last group's value.
-            group["lr"] = group["lr"].detach().clone()
-        for j, (p, label) in enumerate(zip(group["params"], labels)):
-            self._names.setdefault(p, label)
-            self._positions.setdefault(p, offset + j)
-        self._stack_selection_state(group)
-        for p in group["params"]:
-            self._init_state(p, group)
+        added = [p for p in group["params"] if p not in self._names]
+        try:
+            if self.capturable:
+                self._lr_to_tensor(group, index)
+            elif "lr" not in param_group and isinstance(group["lr"], Tensor):
+                # An inherited tensor lr is copied: schedulers fill each group's lr in place, and groups
+                # sharing one tensor would all take the last group's value.
+                group["lr"] = group["lr"].detach().clone()
+            for j, (p, label) in enumerate(zip(group["params"], labels)):
+                self._names.setdefault(p, label)
+                self._positions.setdefault(p, offset + j)
+            self._stack_selection_state(group)
+            for p in group["params"]:
+                self._init_state(p, group)
+        except BaseException:
+            # Out of memory (or interrupted) while making the group's state: the group is taken out
+            # again, so that the call can be retried, instead of a half-made group that refuses it.
+            self.param_groups.pop()
+            for p in group["params"]:
+                self.state.pop(p, None)
+            for p in added:
+                self._names.pop(p, None)
+                self._positions.pop(p, None)
+            raise
 
     def _warn_rows_for_tall(self, group: dict[str, Any], params: list[tuple[Any, str]], index: int) -> None:
         """Dion2 on one process selects the columns of a tall matrix; row-sharded (FSDP2), it selects rows
