@@ -471,6 +471,47 @@ def test_state_entries_a_step_cannot_use_are_refused_before_anything_loads(optio
     assert all(target.state[p].get("momentum") is v for p, v in zip(params, views))
 
 
+@pytest.mark.parametrize(("options", "key", "value"), [
+    ({"algorithm": "lion"}, "step", "two"),
+    ({"algorithm": "lion"}, "step", torch.tensor([1.0, 2.0])),
+    ({"algorithm": "adamw"}, "variance", "oops"),
+    ({}, "step", "two"),
+], ids=["lion-step-str", "lion-step-[2]", "adamw-variance-str", "dion3-step-str"])
+def test_a_key_the_rule_does_not_keep_loads_as_given_without_half_loading(options, key, value):
+    """A key outside what the group's rule keeps is loaded as torch.optim loads it, untouched: the
+    conversion of AdamW's count and of Dion3's variance applied to every entry's, and failed on such
+    a value after the state and options had been replaced (a refused load, half done)."""
+    shapes = [(8, 16), (8, 16)] if not options else [(8,), (8,)]
+    source, _ = _trained(orthoptim.Dion3, shapes, **options)
+    target, params = _trained(orthoptim.Dion3, shapes, lr=0.5, **options)
+    saved = source.state_dict()
+    saved["param_groups"][0]["lr"] = 0.1
+    saved["state"][1][key] = value
+    target.load_state_dict(saved)
+    assert target.param_groups[0]["lr"] == 0.1
+    assert key in target.state[params[1]]  # as torch.optim left it (which makes a str into another one)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    target.step()
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_a_rule_option_warning_raised_as_an_error_leaves_the_optimizer_as_it_was():
+    """Under warnings-as-errors the warning that a loaded group changes a rule option aborts the load:
+    it is given before anything is loaded (it came after the state had been replaced)."""
+    source, _ = _trained(orthoptim.Dion3, [(8, 16), (8, 16)], fraction=0.5)
+    target, params = _trained(orthoptim.Dion3, [(8, 16), (8, 16)], lr=0.5)
+    before = _state_copy(target)
+    views = [target.state[p]["momentum"] for p in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"sets fraction=0\.5"):
+            target.load_state_dict(source.state_dict())
+    _assert_state_equal(before, _state_copy(target))
+    assert target.param_groups[0]["fraction"] == 0.25 and target.param_groups[0]["lr"] == 0.5
+    assert all(target.state[p]["momentum"] is v for p, v in zip(params, views))
+
+
 @pytest.mark.parametrize("step", [3, 3.0, torch.tensor(3), torch.tensor([3.0])], ids=["int", "float", "int64", "[1]"])
 def test_a_step_count_saved_as_another_number_loads_as_the_fp32_count(step):
     """AdamW's count as another library or version may write it: the 0-dim fp32 tensor the step keeps

@@ -237,9 +237,10 @@ class StateKeeping:
                 "position, so each would take another's state: build the param groups in the saved order (the "
                 "state dict's param_groups[i]['param_names'])")
 
-    def _check_loadable(self, state_dict: dict[str, Any]) -> None:
+    def _check_loadable(self, state_dict: dict[str, Any]) -> bool:
         """Refuse a state dict that would make a later step fail or silently use state of another shape:
-        checked before anything is loaded, so a refused one leaves this optimizer as it was."""
+        checked before anything is loaded, so a refused one leaves this optimizer as it was. False where
+        the groups or their sizes differ, which torch.optim's own load refuses."""
         saved_groups = state_dict.get("param_groups")
         for index, saved in enumerate(saved_groups if isinstance(saved_groups, list) else []):
             if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
@@ -247,7 +248,7 @@ class StateKeeping:
                                  f"dict saved by {type(self).__name__}.state_dict()")
         if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups) or any(
                 len(g.get("params", ())) != len(mine["params"]) for g, mine in zip(saved_groups, self.param_groups)):
-            return  # torch.optim's own checks name these mismatches
+            return False  # torch.optim's own checks name these mismatches
         saved_state = state_dict.get("state", {})
         for index, (saved, mine) in enumerate(zip(saved_groups, self.param_groups)):
             where = f"param group {index} of the loaded state dict"
@@ -289,6 +290,7 @@ class StateKeeping:
                         + ("a step count (a number or a one-element tensor)" if key == "step" else
                            "a floating-point tensor") + "; the state dict was not saved by this optimizer, or "
                         "was edited since")
+        return True
 
     @staticmethod
     def _malformed_state(state: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> tuple[str, str] | None:
@@ -389,7 +391,7 @@ class StateKeeping:
     def _load_checked(self, state_dict: dict[str, Any]) -> None:
         # Called by load_state_dict only: its warnings' stack levels count that frame.
         state_dict = self._as_loaded_here(state_dict)
-        self._check_loadable(state_dict)
+        matches = self._check_loadable(state_dict)
         self._checked_groups.clear()  # the next step checks the loaded options and state afresh
         self._steps_since_replica_sync = 0  # every replica loads the same momenta
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
@@ -404,37 +406,32 @@ class StateKeeping:
                     {k: v for k, v in self.state[p].items() if type(v) is Tensor and not stands_alone(v)})
                 for p in params if p in self.state}
         self._warn_reordered_names(state_dict)
-        super().load_state_dict(state_dict)
+        kept: list[set[str]] = []
+        if matches:
+            # Warned before anything is loaded: under warnings-as-errors a refused load changes nothing.
+            self._warn_changed_rule_options(state_dict["param_groups"])
+            # What each parameter's rule keeps: the conversions below touch those keys only (torch.optim
+            # loads any other key as it is; converting one could fail after the state was replaced).
+            kept = [set(self._expected_state_shapes(p, {**g, **{k: v for k, v in sg.items() if k != "params"}}))
+                    for sg, g in zip(state_dict["param_groups"], self.param_groups) for p in g["params"]]
+        super().load_state_dict(state_dict)  # refuses what does not match
         self._betas_seen.clear()  # the loaded betas are the new reference
-        for index, (group, old) in enumerate(zip(self.param_groups, before)):
+        for group, old in zip(self.param_groups, before):
             for key, value in old.items():  # keys a state dict of an older version lacks keep their values
                 group.setdefault(key, value)
             if "param_names" in old:  # they name this optimizer's parameters, not the saved ones
                 group["param_names"] = old["param_names"]
-            # The options that decide what the rule does (not lr, which schedules own): a silent change
-            # of one would leave the optimizer the caller built running another rule.
-            reads = options_read_by(group["algorithm"])
-            changed = [k for k in _RULE_OPTIONS if (k == "algorithm" or k in reads) and group.get(k) != old.get(k)
-                       and not callable(group.get(k)) and not callable(old.get(k))]  # a callable: _own_callable
-            if changed:
-                sets = ", ".join(f"{k}={group[k]!r}" for k in changed)
-                had = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
-                warn_at_caller(
-                    f"param group {index}: the state dict sets {sets} where this {type(self).__name__}'s group "
-                    f"had {had}; as in torch.optim, the saved hyperparameters win, so the group now runs with "
-                    f"them (what you want when a schedule of yours set them). Otherwise build the optimizer the "
-                    f"checkpoint was saved from, or set {', '.join(f'group[{k!r}]' for k in changed)} back after "
-                    "loading")
         self._state_transposed.clear()  # the loaded per-row state is laid out as its group says
         for group in self.param_groups:
             for p in group["params"]:
                 if _PER_ROW_STATE.get(group["algorithm"]) in self.state.get(p, {}):
                     self._state_transposed[p] = group["transpose"]
-        for i, p in zip(ids, params):
-            variance = saved.get(i, {}).get("variance")
+        for i, p, keys in zip(ids, params, kept):
+            variance = saved.get(i, {}).get("variance") if "variance" in keys else None
             if variance is not None:
                 self.state[p]["variance"] = variance.to(device=p.device, dtype=row_state_dtype(p), copy=True)
-            step = self.state.get(p, {}).get("step")  # .get: a parameter without saved state gets no entry
+            # .get: a parameter without saved state gets no entry
+            step = self.state.get(p, {}).get("step") if "step" in keys else None
             # The fp32 0-dim count AdamW keeps, where _init_state keeps it: on the device for capturable
             # steps (read there), else on the host (a count saved on a GPU, by a capturable or fused
             # optimizer, would make the step fail after other groups had stepped). Counts saved as a
@@ -447,6 +444,24 @@ class StateKeeping:
             for index, group in enumerate(self.param_groups):
                 self._lr_to_tensor(group, index)
         self._load_into_held_tensors(held, before if self.capturable else None)
+
+    def _warn_changed_rule_options(self, saved_groups: list[dict[str, Any]]) -> None:
+        """The options that decide what a rule does (not lr, which schedules own) that the loaded groups
+        change: a silent change of one would leave the optimizer the caller built running another rule."""
+        for index, (saved, old) in enumerate(zip(saved_groups, self.param_groups)):
+            group = {**old, **saved}  # as the group is after the load
+            reads = options_read_by(group["algorithm"])
+            changed = [k for k in _RULE_OPTIONS if (k == "algorithm" or k in reads) and group.get(k) != old.get(k)
+                       and not callable(group.get(k)) and not callable(old.get(k))]  # a callable: _own_callable
+            if changed:
+                sets = ", ".join(f"{k}={group[k]!r}" for k in changed)
+                had = ", ".join(f"{k}={old.get(k)!r}" for k in changed)
+                warn_at_caller(
+                    f"param group {index}: the state dict sets {sets} where this {type(self).__name__}'s group "
+                    f"had {had}; as in torch.optim, the saved hyperparameters win, so the group now runs with "
+                    f"them (what you want when a schedule of yours set them). Otherwise build the optimizer the "
+                    f"checkpoint was saved from, or set {', '.join(f'group[{k!r}]' for k in changed)} back after "
+                    "loading")
 
     def _load_into_held_tensors(self, held: dict[Tensor, dict[str, Any]], groups: list[dict[str, Any]] | None) -> None:
         """The loaded values copied into the tensors the optimizer held before (each state tensor of
