@@ -436,6 +436,32 @@ def test_finite_float64_gradients_beyond_fp32_range_pass(capturable):
     assert torch.isfinite(p).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("algorithm", ["dion3", "dion", "muon", "adamw", "lion"])
+def test_a_float64_gradient_beyond_the_parameters_range_is_refused(algorithm, dtype):
+    """A float64 gradient (p.grad_dtype = None) is finite at 1e300 but inf in a float32 or bfloat16
+    parameter's state: it was judged finite in its own dtype, and the step wrote inf/NaN into the
+    weights and momentum. Refused, or skipped, before anything changes; one within range steps."""
+    p = nn.Parameter(torch.randn((6,) if algorithm in ("adamw", "lion") else (6, 4), dtype=dtype))
+    opt = orthoptim.Dion3([{"params": [p], "param_names": ["w"], "algorithm": algorithm}], lr=0.1)
+    p.grad_dtype = None
+    p.grad = torch.randn(p.shape, dtype=torch.float64)
+    p.grad.view(-1)[0] = 1e300
+    before = p.detach().clone()
+    with raises_naming(orthoptim.NonFiniteGradientError, "parameter w", "float64", str(dtype), "p.grad_dtype"):
+        opt.step()
+    assert torch.equal(p, before)
+    assert all(torch.isfinite(v).all() for v in opt.state[p].values() if isinstance(v, torch.Tensor))
+    for group in opt.param_groups:
+        group["nonfinite"] = "skip"
+    with pytest.warns(UserWarning, match="parameter w has a finite float64 gradient.*skipped"):
+        opt.step()
+    assert torch.equal(p, before)
+    p.grad.view(-1)[0] = 1e15  # within range (and its square too, which the orthogonalizers take)
+    opt.step()
+    assert torch.isfinite(p).all() and not torch.equal(p, before)
+
+
 def test_nonfinite_error_is_a_floating_point_error():
     assert issubclass(orthoptim.NonFiniteGradientError, FloatingPointError)
 

@@ -267,13 +267,19 @@ class GradientChecks:
         """False where an fp16 matrix's momentum (or, for Dion, its products with B = M + G) would
         overflow fp16 this step although the gradient is finite: the step would turn its weights
         into NaN; and where an fp16 AdamW/Lion parameter's wider gradient would overflow when rounded
-        to fp16. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are always True.
+        to fp16. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are True
+        unless a float64 gradient would overflow the narrower parameter's dtype.
         For such a matrix: one temporary of the new momentum rounded to fp16 as the step rounds it
         (inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
         fits = torch.ones(len(params), dtype=torch.bool, device=device)
         second_moments: list[tuple[int, Tensor, Tensor, float]] = []  # fp16 AdamW parameters
         for i, (p, group) in enumerate(zip(params, groups)):
             if p.dtype != torch.float16:
+                g = local_tensor(p.grad)
+                if g.dtype == torch.float64 and p.dtype != torch.float64 and g.numel():
+                    # Every rule takes a float64 gradient (p.grad_dtype = None) into state of the
+                    # parameter's dtype: a finite 1e300 would be inf there (the weights then NaN).
+                    fits[i] = torch.isfinite(g.abs().amax().to(p.dtype)).to(device)
                 continue
             if group["algorithm"] not in MATRIX_ALGORITHMS:
                 g = local_tensor(p.grad)
@@ -398,7 +404,8 @@ class GradientChecks:
             bad.zero_()
         self.nonfinite_found.zero_()
         raise NonFiniteGradientError(
-            f"parameters {names} had non-finite gradients (NaN or Inf), or float16 momenta that overflowed, "
+            f"parameters {names} had non-finite gradients (NaN or Inf), or gradients or float16 momenta that "
+            "overflowed their parameter's dtype, "
             "in a step since the last check; their "
             "update was applied, so restore the last checkpoint, then lower the learning rate or clip gradients"
         )
@@ -430,7 +437,17 @@ class GradientChecks:
                    "float16 (above 65504) and turn the weights into NaN or stop them", "Keep such parameters in "
                    "bfloat16 or float32, scale the loss or gradients down"),
         }
-        bad = {p: reasons[grad_ok] for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist()) if not step_ok}
+
+        def reason(p: Tensor, grad_ok: bool) -> tuple[str, str]:
+            if grad_ok and p.dtype != torch.float16:  # a float64 gradient beyond the parameter's dtype
+                return (f"a finite float64 gradient, but one above the largest {p.dtype} value, which would "
+                        "overflow the parameter and its state and turn the weights into NaN",
+                        "Keep gradients in the parameter's dtype (p.grad_dtype = p.dtype), scale the loss or "
+                        "gradients down")
+            return reasons[grad_ok]
+
+        bad = {p: reason(p, grad_ok) for p, grad_ok, step_ok in zip(params, finite.tolist(), ok.tolist())
+               if not step_ok}
         for group, ps in work:
             for p in ps:
                 if p in bad and group["nonfinite"] == "raise":
