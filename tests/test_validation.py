@@ -462,6 +462,24 @@ def test_a_float64_gradient_beyond_the_parameters_range_is_refused(algorithm, dt
     assert torch.isfinite(p).all() and not torch.equal(p, before)
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_the_verdicts_index_is_kept_for_the_last_sets_of_parameters_only_when_eager(capturable):
+    """Distributed, the verdict places each step's parameters with gradients by a device index, kept
+    per set of them: eager steps whose set varied (layer drop, experts without tokens) added one for
+    good, a leak. Eager keeps the last few; capturable keeps all (a captured graph may read one)."""
+    from orthoptim.optim.nonfinite import EAGER_VERDICT_INDICES
+
+    params = [nn.Parameter(torch.randn(4, 4)) for _ in range(3 * EAGER_VERDICT_INDICES)]
+    opt = orthoptim.Dion3(params, lr=0.01, capturable=capturable)
+    for k in range(1, len(params) + 1):
+        some = params[-k:]
+        index = opt._positions_among(some, params, torch.device("cpu"))
+        assert index.tolist() == list(range(len(params) - k, len(params)))
+    assert len(opt._verdict_index) == (len(params) if capturable else EAGER_VERDICT_INDICES)
+    first = opt._positions_among(params, params, torch.device("cpu"))  # the most recent set: kept
+    assert opt._positions_among(params, params, torch.device("cpu")) is first
+
+
 def test_nonfinite_error_is_a_floating_point_error():
     assert issubclass(orthoptim.NonFiniteGradientError, FloatingPointError)
 

@@ -57,6 +57,10 @@ class NonFiniteGradientError(FloatingPointError):
     """
 
 
+# How many sets of parameters with gradients an eager step keeps the verdict's device index for.
+EAGER_VERDICT_INDICES = 8
+
+
 class GradientChecks:
     """Non-finite gradients and float16 overflow: refused or skipped (eager steps), or flagged on the
     device for ``check_nonfinite`` (capturable steps)."""
@@ -230,14 +234,19 @@ class GradientChecks:
     def _positions_among(self, params: list[Tensor], everyone: list[Tensor], device: torch.device) -> Tensor:
         """Where ``params`` sit in ``everyone``, as a device index: built once per set of parameters
         (by identity), so a capturable step makes no host-to-device copy."""
-        # Keyed by both sequences of identities: the index depends on nothing else, and entries stay
-        # (a captured graph may read one after an eager step with other parameters).
+        # Keyed by both sequences of identities: the index depends on nothing else. Capturable, entries
+        # stay (a captured graph may read one after an eager step with other parameters); eager, only
+        # the last few sets are kept, or steps whose parameters with gradients vary (layer drop, MoE
+        # experts without tokens) would add one per set, for good.
         key = (tuple(map(id, everyone)), tuple(map(id, params)))
-        if key not in self._verdict_index:
+        index = self._verdict_index.pop(key, None)
+        if index is None:
             position = {id(p): i for i, p in enumerate(everyone)}
-            self._verdict_index[key] = torch.tensor([position[id(p)] for p in params], dtype=torch.long,
-                                                    device=device)
-        return self._verdict_index[key]
+            index = torch.tensor([position[id(p)] for p in params], dtype=torch.long, device=device)
+        self._verdict_index[key] = index  # the most recent last
+        if not self.capturable and len(self._verdict_index) > EAGER_VERDICT_INDICES:
+            del self._verdict_index[next(iter(self._verdict_index))]
+        return index
 
     def _raise_if_mixed(self, mixed: Tensor, refusal: Exception | None = None) -> None:
         """``mixed``: [3, parameters], gradients on some ranks only, options that differ by rank, and
