@@ -538,6 +538,22 @@ def test_misspelled_group_key_warns_naming_it():
     assert opt.param_groups[0]["weight_decay"] == opt.defaults["weight_decay"]  # the typo set nothing
 
 
+def test_a_bare_conv1d_weight_warns_that_it_is_read_as_a_batch():
+    """A Conv1d weight [out, in, k] given without param_groups was read silently as out matrices of
+    [in, k] (a 3-D parameter is a batch of matrices): warned, naming it and the fix; not for groups
+    that say flatten either way, param_groups' own, or experts whose matrices are wide."""
+    conv = nn.Conv1d(4, 8, 3)
+    with pytest.warns(UserWarning, match=r"conv: 3-D .* \(8, 4, 3\) is read as 8 matrices of \[4, 3\].*flatten=True"):
+        orthoptim.Muon([{"params": [conv.weight], "param_names": ["conv: 3-D"]}])
+    experts = nn.Parameter(torch.randn(4, 16, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for flatten in (False, True):
+            orthoptim.Muon([{"params": [conv.weight], "flatten": flatten}])
+        orthoptim.Dion3(orthoptim.param_groups(nn.Sequential(conv)))
+        orthoptim.Dion3([experts])
+
+
 def test_misspelled_key_in_add_param_group_warns_naming_it():
     model, opt = live_optimizer()
     with pytest.warns(UserWarning, match="'lr_scale'"):
@@ -1124,6 +1140,62 @@ def test_a_gradient_of_a_non_float_dtype_is_refused_by_name(dtype):
     with raises_naming(ValueError, "lin.weight", str(dtype), "real floating point"):
         opt.step()
     assert_unchanged(before, model, opt)
+
+
+def _model_and_opt(name, dtype=None, *, build_first, capturable=False):
+    model = make_model()
+    if not build_first and dtype is not None:
+        model.to(dtype)
+    opt = CLASSES[name](orthoptim.param_groups(model), lr=0.02, capturable=capturable)
+    if build_first and dtype is not None:
+        model.to(dtype)
+    return model, opt
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_a_model_converted_after_the_optimizer_was_built_trains_as_if_built_after(name, dtype, capturable):
+    """model.to(dtype) between the constructor and the first step (torch.optim's lazily made state
+    allows it): the state the constructor made is made again for the converted parameters, so the
+    steps equal those of an optimizer built after the conversion (it was refused at the first step)."""
+    runs = []
+    for build_first in (True, False):
+        model, opt = _model_and_opt(name, dtype, build_first=build_first, capturable=capturable)
+        for t in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).to(dtype)
+            opt.step()
+        assert all(v.dtype in (dtype, torch.float32, torch.float64) for st in opt.state.values()
+                   for v in st.values() if isinstance(v, torch.Tensor))
+        runs.append((model, opt))
+    (a, opt_a), (b, opt_b) = runs
+    # A capturable lr made an fp32 tensor keeps its fp32 rounding of 0.02 when made fp64 for fp64
+    # parameters (one built after the conversion rounds 0.02 to fp64 directly): 1e-8 apart.
+    exact = not (capturable and dtype == torch.float64)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        if exact:
+            assert torch.equal(pa, pb), n
+        else:
+            torch.testing.assert_close(pa, pb, rtol=1e-7, atol=1e-9, msg=n)
+    for ga, gb in zip(opt_a.param_groups, opt_b.param_groups, strict=True):
+        if capturable:
+            assert (ga["lr"].dtype, ga["lr"].device) == (gb["lr"].dtype, gb["lr"].device)
+        torch.testing.assert_close(torch.as_tensor(ga["lr"]), torch.as_tensor(gb["lr"]), rtol=1e-7, atol=0)
+
+
+def test_a_model_converted_after_a_step_is_refused_with_the_fix():
+    """After a step the state is the run's: it is not remade, and the step says how to bring it along."""
+    model, opt = live_optimizer("dion3")
+    model.to(torch.float64)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, dtype=torch.float64)
+    before = {p: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with raises_naming(ValueError, "converted or moved", "opt.load_state_dict(opt.state_dict())"):
+        opt.step()
+    assert all(torch.equal(v, before[p][k]) for p, st in opt.state.items() for k, v in st.items())
+    opt.load_state_dict(opt.state_dict())
+    opt.step()
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "load_state_dict"])

@@ -84,6 +84,8 @@ DEFAULT_ORTHOGONALIZER = {"dion3": "gram", "dion2": "polar_express", "muon": "po
                           "normuon": "polar_express"}
 # Keys that are not hyperparameters but may legitimately sit in a group.
 _BOOKKEEPING_KEYS = {"params", "param_names", "name", "initial_lr"}
+# A 3-D parameter whose last dimension is at most this looks like a Conv1d weight's kernel (a warning).
+MAX_KERNEL_WIDTH = 7
 _PLAIN_TENSORS = {Tensor, torch.nn.Parameter}  # not DTensors, whose data_ptr() is 0
 # p.data = p.data.view(torch.float16) keeps the rest. (Not the device: with CUDA's unified addressing no
 # two devices' memory shares an address, so a move always changes the storage address.)
@@ -237,6 +239,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._state_transposed: dict[Tensor, bool] = {}
         _refuse_a_set(params, "params")  # torch.optim checks this in groups only
         super().__init__(params, full)
+        # The state is as the constructor made it (zeros, Dion's seeded Q) until a step or a load:
+        # made again by the first step if the model was converted or moved since (``_remake_if_moved``).
+        self._state_is_fresh = True
 
     # ----------------------------------------------------------------------------- copies
     def __getstate__(self) -> dict[str, Any]:
@@ -273,6 +278,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict),
                             ("_checked_groups", dict), ("_identities", dict)):
             self.__dict__.setdefault(name, empty())
+        self.__dict__.setdefault("_state_is_fresh", False)
         for key, value in OPTIONS_ADDED_LATER.items():
             self.defaults.setdefault(key, value)
             for group in self.param_groups:
@@ -330,6 +336,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)
         self._warn_rows_for_tall(merged, [(p, label) for (_, p), label in zip(named, labels)], index)
+        if merged["algorithm"] in MATRIX_ALGORITHMS and not merged["flatten"] and "flatten" not in param_group:
+            self._warn_kernel_like_batches([(p, label) for (_, p), label in zip(named, labels)], index)
         if self.capturable:  # before the group is added: a refused group must leave no trace
             self._check_one_device([p for _, p in named], index)
         else:
@@ -369,6 +377,19 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 self._names.pop(p, None)
                 self._positions.pop(p, None)
             raise
+
+    @staticmethod
+    def _warn_kernel_like_batches(params: list[tuple[Any, str]], index: int) -> None:
+        """A 3-D parameter is a batch of matrices (MoE experts); a Conv1d weight [out, in, k] handed over
+        without param_groups (which flattens it) would be read as ``out`` matrices of [in, k]: said
+        where the last dimension is as short as a kernel's."""
+        for p, label in params:
+            if isinstance(p, Tensor) and p.ndim == 3 and p.numel() and p.shape[-1] <= MAX_KERNEL_WIDTH:
+                warn_at_caller(
+                    f"param group {index}: {label} of shape {tuple(p.shape)} is read as {p.shape[0]} matrices of "
+                    f"{list(p.shape[1:])} (a 3-D parameter is a batch of matrices, e.g. MoE experts); a Conv1d "
+                    "weight [out, in, kernel] needs flatten=True in its group (orthoptim.param_groups sets it). "
+                    "Set flatten=False in the group to keep the batch reading without this warning")
 
     def _warn_rows_for_tall(self, group: dict[str, Any], params: list[tuple[Any, str]], index: int) -> None:
         """Dion2 on one process selects the columns of a tall matrix; row-sharded (FSDP2), it selects rows
@@ -546,6 +567,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                     if isinstance(p, Tensor):
                         found.setdefault(p, []).append(j)
             return found
+        if self._state_is_fresh:
+            self._remake_if_moved()
         refusal = None
         try:
             for index, group in enumerate(self.param_groups):
@@ -562,6 +585,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         work = self._flag_nonfinite(work, refusal) if self.capturable else self._drop_nonfinite(work, refusal)
         if self._replicate_group is not None:
             self._average_gradients(work)
+        self._state_is_fresh = False
         for group, params in work:
             if not params:
                 continue
@@ -581,6 +605,49 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._steps_since_replica_sync += 1
             if self._replica_sync_every is not None and self._steps_since_replica_sync >= self._replica_sync_every:
                 self.synchronize_replicas()
+
+    def _remake_if_moved(self) -> None:
+        """Before the first step: state made for parameters that were converted, moved or resized since
+        (``model.to(torch.bfloat16)`` or ``model.cuda()`` after the optimizer was built, which torch.optim's
+        lazily made state allows) is dropped, and the step makes it again as a new optimizer would
+        (zeros, Dion's Q from the same seed), with capturable learning rates on the new device."""
+        if not self._state_moved():
+            return
+        self.state.clear()
+        self._state_transposed.clear()
+        self._checked_groups.clear()
+        if self.capturable:
+            for index, group in enumerate(self.param_groups):
+                self._lr_to_tensor(group, index)
+
+    def _state_moved(self) -> bool:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if isinstance(p, Tensor)]
+            if self.capturable and params and isinstance(group["lr"], Tensor):
+                dtype = functools.reduce(torch.promote_types, (p.dtype for p in params), torch.float32)
+                if (group["lr"].device, group["lr"].dtype) != (params[0].device, dtype):  # as _lr_to_tensor makes it
+                    return True
+            for p in params:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                try:
+                    expected = self._expected_state_shapes(p, group)
+                except Exception:  # options the parameter's new shape breaks: the step's checks say which
+                    return True
+                if self._misshapen_state(state, expected) is not None:
+                    return True
+                for key, value in state.items():
+                    if not isinstance(value, Tensor):
+                        continue
+                    if key == "step":
+                        where = local_tensor(p).device if self.capturable else torch.device("cpu")
+                        if local_tensor(value).device != where:
+                            return True
+                    elif (value.dtype, value.device) != (row_state_dtype(p) if key == "variance" else p.dtype,
+                                                         p.device):
+                        return True
+        return False
 
     def _stack_dtype(self, group: dict[str, Any], layout: str, momentum: Tensor) -> torch.dtype | None:
         """The dtype Muon stacks its batch in (None: the momentum's). Single process with a named

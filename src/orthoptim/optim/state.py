@@ -393,6 +393,7 @@ class StateKeeping:
         state_dict = self._as_loaded_here(state_dict)
         matches = self._check_loadable(state_dict)
         self._checked_groups.clear()  # the next step checks the loaded options and state afresh
+        self._state_is_fresh = False  # loaded state is kept as it is
         self._steps_since_replica_sync = 0  # every replica loads the same momenta
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
         # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
