@@ -37,6 +37,7 @@ class CheckedOrthogonalizers:
 
     def _init_orthogonalizer_checks(self) -> None:
         self._orthogonalizer_problems: list[str] = []  # what a user's orthogonalizer did wrong this step
+        self._orthogonalizer_error: Exception | None = None  # the first exception it raised, for the chain
 
     def _checked(self, fn: Orthogonalizer, names: list[str]) -> Orthogonalizer:
         """A user's orthogonalizer, its output checked: a wrong shape would broadcast into the update and
@@ -88,6 +89,8 @@ class CheckedOrthogonalizers:
             out = fn(u)
         except Exception as e:  # any failure of a user's function: reported after the step, on every rank
             self._report(fn, f"raised {type(e).__name__}: {e}", names)
+            if self._orthogonalizer_error is None:
+                self._orthogonalizer_error = e
             return zero()
         found = problem(u, out)
         if found is None:
@@ -101,6 +104,7 @@ class CheckedOrthogonalizers:
     def _raise_orthogonalizer_problems(self) -> None:
         """After a step with a user's orthogonalizer: raise on every rank if it failed on any."""
         problems, self._orthogonalizer_problems = self._orthogonalizer_problems, []
+        cause, self._orthogonalizer_error = getattr(self, "_orthogonalizer_error", None), None
         failed = bool(problems)
         # While a CUDA graph is captured nothing is read back: only this rank's problems (wrong shapes,
         # seen on the host) are raised then; the eager steps before a capture agree across ranks.
@@ -113,6 +117,6 @@ class CheckedOrthogonalizers:
         if failed:
             what = "; ".join(problems) if problems else "the orthogonalizer failed on another rank (see its error)"
             raise ValueError(
-                f"{what}. Those matrices got a zero update this step (nothing non-finite reached the weights), "
-                "but momenta and the other parameters were updated: fix the orthogonalizer, then restore the "
-                "optimizer and model from a checkpoint")
+                f"{what}. Those matrices got a zero update this step (only their weight decay; nothing "
+                "non-finite reached the weights), but momenta and the other parameters were updated: fix the "
+                "orthogonalizer, then restore the optimizer and model from a checkpoint") from cause
