@@ -252,7 +252,7 @@ def live_optimizer(name: str = "dion3", **kwargs):
 
 
 ADD_GROUP_CASES = [
-    ("negative_lr", {"lr": -1.0}, ValueError, ["lr=-1.0", "param group 3"]),
+    ("negative_lr", {"lr": -1.0}, ValueError, ["lr=-1.0", "param group 3", "must be >= 0.0;"]),
     ("num_heads", {"num_heads": 5}, ValueError, ["out.weight", "num_heads=5"]),
     ("split_sizes", {"split_sizes": [4, 5]}, ValueError, ["out.weight", "split_sizes=[4, 5]"]),
     ("algorithm", {"algorithm": "adam"}, ValueError, ["algorithm='adam'"]),

@@ -84,6 +84,8 @@ def _in_range(group, key, where, low, high, *, low_open=False, high_open=False, 
     v = _number(group, key, where)
     bad = (v <= low if low_open else v < low) or (v >= high if high_open else v > high)
     if bad:
+        if high == math.inf:  # an interval up to inf would read as if inf were allowed
+            raise ValueError(f"{key}={v} in {where} must be {'>' if low_open else '>='} {low}{hint}")
         interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
         raise ValueError(f"{key}={v} in {where} must be in {interval}{hint}")
 
