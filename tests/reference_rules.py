@@ -46,11 +46,13 @@ class CountingPolar:
 
 # ----------------------------------------------------------------------------- small pieces
 def lr_scale(m: int, n: int, adjust_lr: str | None) -> float:
-    """s(m, n): "spectral_norm" → √(m/n), "rms_norm" → 0.2·√max(m, n), None → 1."""
+    """s(m, n): "spectral_norm" → √(m/n), "rms_norm" → 0.2·√max(m, n), "original" → √max(1, m/n), None → 1."""
     if adjust_lr == "spectral_norm":
         return math.sqrt(m / n)
     if adjust_lr == "rms_norm":
         return 0.2 * math.sqrt(max(m, n))
+    if adjust_lr == "original":
+        return math.sqrt(m / n) if m > n else 1.0
     assert adjust_lr is None
     return 1.0
 

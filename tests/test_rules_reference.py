@@ -254,7 +254,7 @@ def test_scalar_groups(scalar):
 
 
 # ----------------------------------------------------------------------------- weight decay, lr scale
-@pytest.mark.parametrize("adjust_lr", ["spectral_norm", "rms_norm", None])
+@pytest.mark.parametrize("adjust_lr", ["spectral_norm", "rms_norm", "original", None])
 @pytest.mark.parametrize("algorithm", ["muon", "normuon", "dion2", "dion3", "dion"])
 def test_adjust_lr_and_weight_decay(algorithm, adjust_lr):
     hp = {**HP, "adjust_lr": adjust_lr, "weight_decay": 0.5}

@@ -1271,3 +1271,42 @@ def test_torch_spellings_of_constructor_options_are_named(name):
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         CLASSES[name]([p], bogus=1)
     assert "epsilon" in inspect.signature(CLASSES[name]).parameters  # the signature is the constructor's
+
+
+def test_torch_muon_options_are_named_with_their_orthoptim_form():
+    """torch.optim.Muon's ns_coefficients=, ns_steps= and adjust_lr_fn= (and its values), and an option
+    of another rule (nesterov= to Dion3): each TypeError or ValueError says what to pass instead."""
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    with raises_naming(TypeError, "ns_steps= is orthogonalizer=", "'newton_schulz'", "functools.partial"):
+        orthoptim.Muon([p], ns_steps=5)
+    with raises_naming(TypeError, "adjust_lr_fn= is adjust_lr=", "adjust_lr='original'", "'rms_norm'"):
+        orthoptim.Muon([p], adjust_lr_fn="original")
+    with raises_naming(TypeError, "eps= is epsilon=", "Newton-Schulz", "eps=...)"):
+        orthoptim.Muon([p], eps=1e-7)
+    with raises_naming(TypeError, "nesterov= is not read by Dion3", "muon, normuon"):
+        orthoptim.Dion3([p], nesterov=True)
+    with raises_naming(ValueError, "adjust_lr='match_rms_adamw'", "is adjust_lr='rms_norm' here"):
+        orthoptim.Muon([p], adjust_lr="match_rms_adamw")
+
+
+def test_adjust_lr_original_is_torch_muons_default_scale(monkeypatch):
+    """√max(1, m/n): tall matrices as spectral_norm, wide ones at the plain lr (torch.optim.Muon's
+    default, Keller Jordan's Muon); compared with torch's own step where this torch has it."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("this torch has no torch.optim.Muon")
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "float32")
+    torch.manual_seed(0)
+    for shape in [(8, 32), (32, 8), (16, 16)]:
+        ours = torch.nn.Parameter(torch.randn(shape))
+        theirs = torch.nn.Parameter(ours.detach().clone())
+        mine = orthoptim.Muon([ours], lr=0.02, mu=0.95, nesterov=True, weight_decay=0.1,
+                              orthogonalizer="newton_schulz", adjust_lr="original")
+        torch_muon = torch.optim.Muon([theirs], lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+        for t in range(3):
+            g = torch.randn(shape, generator=torch.Generator().manual_seed(t))
+            ours.grad, theirs.grad = g.clone(), g.clone()
+            mine.step()
+            torch_muon.step()
+        # torch iterates in bf16; orthoptim in fp32 here: equal to bf16 round-off, a wide matrix's
+        # update at √(m/n) = 0.5 of it would be off by half an update
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0.1 * 0.02, msg=str(shape))

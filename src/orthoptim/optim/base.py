@@ -149,7 +149,16 @@ _STACKED_STATE = {"dion2": ("momentum",), "dion3": ("momentum", "variance")}
 
 # Names torch.optim's optimizers give options that orthoptim calls otherwise.
 _TORCH_NAMES = {"eps": "epsilon", "momentum": "mu", "beta1": "betas", "beta2": "betas",
-                "adjust_lr_fn": "adjust_lr"}
+                "adjust_lr_fn": "adjust_lr", "ns_coefficients": "orthogonalizer", "ns_steps": "orthogonalizer"}
+# What the constructors' TypeError adds to such a name, where the two differ in more than the name.
+_TORCH_NOTES = {
+    "eps": "AdamW's and NorMuon's ε; torch.optim.Muon's eps is Newton-Schulz's guard, which a callable sets: "
+           "orthogonalizer=functools.partial(orthoptim.newton_schulz, eps=...)",
+    "adjust_lr_fn": "torch's default 'original' is adjust_lr='original', its 'match_rms_adamw' is 'rms_norm'",
+    "ns_coefficients": "'newton_schulz' is torch.optim.Muon's default set; others, and other step counts, by "
+                       "orthogonalizer=functools.partial(orthoptim.newton_schulz, coefficients=((a, b, c),) * steps)",
+}
+_TORCH_NOTES["ns_steps"] = _TORCH_NOTES["ns_coefficients"]
 
 
 def _refuse_a_set(params: Any, what: str) -> None:
@@ -202,7 +211,12 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         @functools.wraps(init)
         def checked_init(self: Any, *args: Any, **kw: Any) -> None:
             unknown = [key for key in kw if key not in signature.parameters]
-            hints = [f"{key}= is {_TORCH_NAMES[key]}=" for key in unknown if key in _TORCH_NAMES]
+            hints = [f"{key}= is {_TORCH_NAMES[key]}=" + (f" ({_TORCH_NOTES[key]})" if key in _TORCH_NOTES else "")
+                     for key in unknown if key in _TORCH_NAMES]
+            # An option of another rule (nesterov= to Dion3): which classes take it, and the group way.
+            hints += [f"{key}= is not read by {cls.__name__} (it is by {', '.join(readers_of(key))}: put those "
+                      f"parameters in a group with that algorithm)" for key in unknown
+                      if key not in _TORCH_NAMES and key in COMMON_DEFAULTS and readers_of(key)]
             if hints and not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
                 raise TypeError(f"{cls.__name__}() got unexpected keyword argument(s) {unknown}; in orthoptim "
                                 f"{', '.join(hints)}")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from orthoptim.orthogonalize import get_orthogonalizer
-from orthoptim.rules.lr_scale import ADJUST_LR_MODES
+from orthoptim.rules.lr_scale import ADJUST_LR_MODES, TORCH_ADJUST_LR
 
 MATRIX_ALGORITHMS = ("dion3", "dion2", "dion", "muon", "normuon")
 SCALAR_ALGORITHMS = ("adamw", "lion")
@@ -113,7 +113,10 @@ def validate_group(group: Mapping[str, Any], where: str) -> None:
     _in_range(group, "muon_beta2", where, 0.0, 1.0, high_open=True)
     if group["adjust_lr"] not in ADJUST_LR_MODES:
         raise ValueError(
-            f"adjust_lr={group['adjust_lr']!r} in {where} is unknown; use 'spectral_norm', 'rms_norm' or None"
+            f"adjust_lr={group['adjust_lr']!r} in {where} is unknown; use 'spectral_norm', 'rms_norm', 'original' "
+            "or None" + (f" (torch.optim.Muon's adjust_lr_fn={group['adjust_lr']!r} is "
+                         f"adjust_lr={TORCH_ADJUST_LR[group['adjust_lr']]!r} here)"
+                         if group["adjust_lr"] in TORCH_ADJUST_LR else "")
         )
     if not isinstance(group["nesterov"], bool):
         raise ValueError(f"nesterov={group['nesterov']!r} in {where} must be True or False")
