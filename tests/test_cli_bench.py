@@ -20,6 +20,8 @@ def test_bench_tiny_writes_json_table_and_plot(tmp_path, capsys):
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "vs AdamW" in printed and "orth error" in printed
+    assert "iterations on this CPU: orthoptim in float32" in printed  # conftest pins float32
+    assert "orthoptim in float32" in (out / "summary.txt").read_text()
     results = json.loads((out / "bench.json").read_text())
     assert results["d_model"] == 16 and results["layers"] == 1 and results["parameters"] == 4 * 16 * 16 + 2 * 64 * 16
     rows = {r["optimizer"]: r for r in results["rows"]}

@@ -23,6 +23,7 @@ from orthoptim.benchmark import (
     time_steps,
 )
 from orthoptim.cli import HelpFormatter, UsageError, check_out_dir, seed_int
+from orthoptim.kernels import cpu_dtype
 from orthoptim.train.loop import environment
 from orthoptim.train.results import format_table, plot_bench, plots_available, write_json, write_text
 
@@ -175,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
         r["vs_torch_muon"] = r["median_ms"] / ref["torch_muon"] if "torch_muon" in ref else None
 
     table = bench_table(rows, args.no_accuracy)
+    if device.type == "cpu":  # the iterations' dtype decides the times as much as the optimizer does
+        table += (f"\nNewton-Schulz iterations on this CPU: orthoptim in {cpu_dtype.iteration_dtype_name()} "
+                  f"(ORTHOPTIM_CPU_DTYPE: {cpu_dtype.describe()}), torch.optim.Muon in bfloat16")
     results = {"model": label, "d_model": d_model, "layers": layers, "mlp_ratio": args.mlp_ratio,
                "shapes": sorted({tuple(s) for s in shapes}), "parameters": sum(a * b for a, b in shapes),
                "device": str(device), "dtype": args.dtype, "warmup": args.warmup, "repeats": args.repeats,
