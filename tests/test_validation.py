@@ -552,6 +552,10 @@ def test_a_bare_conv1d_weight_warns_that_it_is_read_as_a_batch():
             orthoptim.Muon([{"params": [conv.weight], "flatten": flatten}])
         orthoptim.Dion3(orthoptim.param_groups(nn.Sequential(conv)))
         orthoptim.Dion3([experts])
+        small = nn.Module()
+        small.experts = nn.Parameter(torch.randn(4, 16, 4))  # tiny experts: param_groups says what they are
+        orthoptim.Dion3(orthoptim.param_groups(small))
+        orthoptim.Dion3([{"params": [small.experts], "transpose": True}])
 
 
 def test_misspelled_key_in_add_param_group_warns_naming_it():
@@ -652,6 +656,48 @@ def test_orthogonalizer_output_is_checked_and_named(name, orthogonalizer, fragme
     # The failing batch got a zero update: only the weight decay moved the parameter, nothing non-finite.
     group = opt.param_groups[0]
     torch.testing.assert_close(model.lin.weight, before * (1 - group["lr"] * group["weight_decay"]))
+
+
+def test_a_step_that_failed_half_way_leaves_no_orthogonalizer_problem_for_the_next():
+    """A user's orthogonalizer raised, then the step failed before its end (here: the second group):
+    the next step's error named the old problem and chained its exception."""
+    model = make_model()
+    calls = []
+
+    def fails_once(u):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("from the first step")
+        return orthoptim.orthogonalize.svd_polar(u)
+
+    opt = orthoptim.Muon([named_group(model, "lin.weight", orthogonalizer=fails_once),
+                          named_group(model, "out.weight")], lr=0.02)
+    set_grads(model, 0)
+    real = type(opt)._matrix_step
+
+    def second_group_fails(self, group, params):
+        if group is self.param_groups[1]:
+            raise RuntimeError("out of memory (simulated)")
+        return real(self, group, params)
+
+    type(opt)._matrix_step = second_group_fails
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            opt.step()
+    finally:
+        type(opt)._matrix_step = real
+    opt.step()  # the orthogonalizer works now: no error from the first step's failure
+
+
+def test_an_optimizer_pickled_before_the_orthogonalizer_error_existed_still_names_failures():
+    model = make_model()
+    opt = orthoptim.Muon([named_group(model, "lin.weight", orthogonalizer=lambda u: 1 / 0)], lr=0.02)
+    del opt.__dict__["_orthogonalizer_error"]  # as an optimizer pickled by an earlier version
+    opt = copy.deepcopy(opt)
+    (p,) = opt.param_groups[0]["params"]
+    p.grad = torch.ones_like(p)
+    with raises_naming(ValueError, "raised ZeroDivisionError"):
+        opt.step()
 
 
 def test_a_correct_orthogonalizer_callable_passes_the_checks():
@@ -1185,6 +1231,53 @@ def test_a_model_converted_after_the_optimizer_was_built_trains_as_if_built_afte
         if capturable:
             assert (ga["lr"].dtype, ga["lr"].device) == (gb["lr"].dtype, gb["lr"].device)
         torch.testing.assert_close(torch.as_tensor(ga["lr"]), torch.as_tensor(gb["lr"]), rtol=1e-7, atol=0)
+
+
+def test_a_conversion_before_a_first_step_without_some_gradients_still_makes_all_state():
+    """The state is made again for every parameter, not only those with a gradient in the first step
+    (a frozen layer, layer drop): a distributed checkpoint saves and loads every parameter's state."""
+    model, opt = _model_and_opt("dion3", torch.bfloat16, build_first=True)
+    fresh_model, fresh = _model_and_opt("dion3", torch.bfloat16, build_first=False)
+    for m in (model, fresh_model):
+        for name, p in m.named_parameters():
+            p.grad = None if name.startswith("lin.") else torch.ones_like(p)
+    opt.step()
+    fresh.step()
+    assert set(opt.state) == set(model.parameters())
+    for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert sorted(opt.state[p]) == sorted(fresh.state[q])
+        assert all(torch.equal(opt.state[p][k], fresh.state[q][k]) for k in opt.state[p])
+
+
+def test_a_first_step_refused_for_a_bad_option_after_a_conversion_changes_nothing():
+    model, opt = _model_and_opt("dion", torch.float64, build_first=True)
+    held = {p: dict(st) for p, st in opt.state.items()}
+    matrices = next(g for g in opt.param_groups if g["algorithm"] == "dion")
+    matrices["rank_fraction"] = 2.0
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with raises_naming(ValueError, "rank_fraction=2.0"):
+        opt.step()
+    assert all(opt.state[p][k] is v for p, st in held.items() for k, v in st.items())
+    matrices["rank_fraction"] = 1.0
+    opt.step()  # now made again, then stepped
+    assert all(v.dtype in (torch.float64, torch.float32) for st in opt.state.values() for v in st.values())
+
+
+@pytest.mark.parametrize("name", ["dion3", "dion"])
+def test_a_transpose_edited_before_the_first_step_makes_the_per_row_state_again(name):
+    """Square matrices' per-row state has the same shape either way: before a first step it is made
+    again under the new transpose (after steps the step refuses it)."""
+    p = nn.Parameter(torch.randn(8, 8))
+    q = nn.Parameter(p.detach().clone())
+    edited = CLASSES[name]([p], lr=0.02)
+    edited.param_groups[0]["transpose"] = True
+    built = CLASSES[name]([{"params": [q], "transpose": True}], lr=0.02)
+    for opt, w in ((edited, p), (built, q)):
+        for t in range(2):
+            w.grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(t))
+            opt.step()
+    assert torch.equal(p, q)
 
 
 def test_a_model_converted_after_a_step_is_refused_with_the_fix():

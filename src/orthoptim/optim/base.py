@@ -256,6 +256,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # The state is as the constructor made it (zeros, Dion's seeded Q) until a step or a load:
         # made again by the first step if the model was converted or moved since (``_remake_if_moved``).
         self._state_is_fresh = True
+        self._state_checks_deferred = False
 
     # ----------------------------------------------------------------------------- copies
     def __getstate__(self) -> dict[str, Any]:
@@ -292,6 +293,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for name, empty in (("_betas_seen", dict), ("_betas_warned", set), ("_state_transposed", dict),
                             ("_checked_groups", dict), ("_identities", dict)):
             self.__dict__.setdefault(name, empty())
+        self.__dict__.setdefault("_orthogonalizer_error", None)
+        self.__dict__.setdefault("_state_checks_deferred", False)
         self.__dict__.setdefault("_state_is_fresh", False)
         for key, value in OPTIONS_ADDED_LATER.items():
             self.defaults.setdefault(key, value)
@@ -350,7 +353,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         for (_, p), label in zip(named, labels):
             self._check_param(p, merged, label)
         self._warn_rows_for_tall(merged, [(p, label) for (_, p), label in zip(named, labels)], index)
-        if merged["algorithm"] in MATRIX_ALGORITHMS and not merged["flatten"] and "flatten" not in param_group:
+        # Not for param_groups' groups (named: it flattens conv weights itself) or a transposed batch.
+        if merged["algorithm"] in MATRIX_ALGORITHMS and not (merged["flatten"] or merged["transpose"]) and \
+                not {"flatten", "name"} & set(param_group):
             self._warn_kernel_like_batches([(p, label) for (_, p), label in zip(named, labels)], index)
         if self.capturable:  # before the group is added: a refused group must leave no trace
             self._check_one_device([p for _, p in named], index)
@@ -453,14 +458,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         runs every step, so it compares what Python reads cheaply. ``owners()``: each parameter's group
         indices (made once a step, by the first group that needs them)."""
         where = f"param group {index} (at step time)"
-        # A tensor lr that a scheduler fills in place is read where that is free (a CPU tensor, eager
-        # steps); on a GPU, or in a capturable or compiled step, reading it would sync with the device
-        # or break the graph, so there it is checked only when it is set.
-        lr = group["lr"]
-        if isinstance(lr, Tensor) and lr.ndim == 0 and lr.is_floating_point():  # others: refused below
-            readable = lr.device.type == "cpu" and not self.capturable and not torch.compiler.is_compiling()
-            lr = lr.item() if readable else 0.0
-        validate_group({**group, "lr": lr}, where)
+        self._validate_at_step(group, where)
         self._check_capturable_options(group, where)
         self._warn_cycled_betas(group, index)
         splits = group["split_sizes"]
@@ -497,6 +495,16 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._check_param(p, group, self.param_name(p))
             self._check_state_shapes(p, group)
         self._checked_groups[index] = signature
+
+    def _validate_at_step(self, group: dict[str, Any], where: str) -> None:
+        # A tensor lr that a scheduler fills in place is read where that is free (a CPU tensor, eager
+        # steps); on a GPU, or in a capturable or compiled step, reading it would sync with the device
+        # or break the graph, so there it is checked only when it is set.
+        lr = group["lr"]
+        if isinstance(lr, Tensor) and lr.ndim == 0 and lr.is_floating_point():  # others: refused below
+            readable = lr.device.type == "cpu" and not self.capturable and not torch.compiler.is_compiling()
+            lr = lr.item() if readable else 0.0
+        validate_group({**group, "lr": lr}, where)
 
     def _warn_cycled_betas(self, group: dict[str, Any], index: int) -> None:
         """A scheduler that cycles momentum (OneCycleLR's and CyclicLR's default cycle_momentum=True)
@@ -581,8 +589,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                     if isinstance(p, Tensor):
                         found.setdefault(p, []).append(j)
             return found
-        if self._state_is_fresh:
-            self._remake_if_moved()
+        # A group whose options are invalid defers the state checks: its own check refuses the step.
+        self._state_checks_deferred = self._state_is_fresh and not self._remake_if_moved()
+        # What a user's orthogonalizer did in a step that failed half-way is not this step's.
+        self._orthogonalizer_problems, self._orthogonalizer_error = [], None
         refusal = None
         try:
             for index, group in enumerate(self.param_groups):
@@ -620,19 +630,41 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             if self._replica_sync_every is not None and self._steps_since_replica_sync >= self._replica_sync_every:
                 self.synchronize_replicas()
 
-    def _remake_if_moved(self) -> None:
+    def _remake_if_moved(self) -> bool:
         """Before the first step: state made for parameters that were converted, moved or resized since
         (``model.to(torch.bfloat16)`` or ``model.cuda()`` after the optimizer was built, which torch.optim's
-        lazily made state allows) is dropped, and the step makes it again as a new optimizer would
-        (zeros, Dion's Q from the same seed), with capturable learning rates on the new device."""
+        lazily made state allows), or under a ``transpose`` edited since, is made again for every
+        parameter as a new optimizer would make it (zeros, Dion's Q from the same seed; capturable
+        learning rates on the new device). Not while a group's options are invalid: the step's checks
+        then refuse them with nothing changed (False: not made again for that reason)."""
         if not self._state_moved():
-            return
-        self.state.clear()
-        self._state_transposed.clear()
-        self._checked_groups.clear()
-        if self.capturable:
+            return True
+        for index, group in enumerate(self.param_groups):
+            try:
+                self._validate_at_step(group, f"param group {index}")
+            except ValueError:
+                return False
+        saved = (dict(self.state), dict(self._state_transposed), [g["lr"] for g in self.param_groups])
+        try:
+            self.state.clear()
+            self._state_transposed.clear()
+            self._checked_groups.clear()
             for index, group in enumerate(self.param_groups):
-                self._lr_to_tensor(group, index)
+                if self.capturable:
+                    self._lr_to_tensor(group, index)
+                self._stack_selection_state(group)
+                for p in group["params"]:
+                    self._init_state(p, group)
+        except BaseException as error:  # left as it was
+            self.state.clear()
+            self.state.update(saved[0])
+            self._state_transposed.clear()
+            self._state_transposed.update(saved[1])
+            for group, lr in zip(self.param_groups, saved[2]):
+                group["lr"] = lr
+            if not isinstance(error, ValueError):  # a shape the options do not allow: the checks name it
+                raise
+        return True
 
     def _state_moved(self) -> bool:
         for group in self.param_groups:
@@ -650,6 +682,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 except Exception:  # options the parameter's new shape breaks: the step's checks say which
                     return True
                 if self._misshapen_state(state, expected) is not None:
+                    return True
+                made = self._state_transposed.get(p)
+                if made is not None and made != group["transpose"]:
                     return True
                 for key, value in state.items():
                     if not isinstance(value, Tensor):

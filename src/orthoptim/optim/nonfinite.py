@@ -276,8 +276,9 @@ class GradientChecks:
         """False where an fp16 matrix's momentum (or, for Dion, its products with B = M + G) would
         overflow fp16 this step although the gradient is finite: the step would turn its weights
         into NaN; and where an fp16 AdamW/Lion parameter's wider gradient would overflow when rounded
-        to fp16. fp16 tops out at 65504; bf16 and wider hold fp32's range, and are True
-        unless a float64 gradient would overflow the narrower parameter's dtype.
+        to fp16. fp16 tops out at 65504; bf16 and wider hold nearly fp32's range, and are True
+        unless a float64 gradient would overflow the narrower parameter's dtype (an fp32 gradient
+        within 0.2 % of fp32's largest value would overflow bf16 too: not checked).
         For such a matrix: one temporary of the new momentum rounded to fp16 as the step rounds it
         (inf exactly where the step's would), a max or row/column norms over it, nothing for other dtypes."""
         fits = torch.ones(len(params), dtype=torch.bool, device=device)

@@ -193,7 +193,10 @@ class StateKeeping:
     def _check_state_shapes(self, p: Tensor, group: dict[str, Any]) -> None:
         """Refuse existing state of ``p`` whose shape ``group``'s options (edited since) no longer give,
         and per-row state (NorMuon/Dion3's variance, Dion's Q) made under the other ``transpose``: of a
-        square matrix it has the same shape, but its entries belong to the other axis."""
+        square matrix it has the same shape, but its entries belong to the other axis. Not while the
+        first step defers them (``_remake_if_moved``): a group's invalid options refuse the step then."""
+        if self._state_checks_deferred:
+            return
         state = self.state.get(p)  # .get: indexing the defaultdict would add an entry
         if state and (bad := self._misshapen_state(state, self._expected_state_shapes(p, group))) is not None:
             raise ValueError(self._state_shape_error(p, group, *bad))

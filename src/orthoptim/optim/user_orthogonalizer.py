@@ -104,7 +104,7 @@ class CheckedOrthogonalizers:
     def _raise_orthogonalizer_problems(self) -> None:
         """After a step with a user's orthogonalizer: raise on every rank if it failed on any."""
         problems, self._orthogonalizer_problems = self._orthogonalizer_problems, []
-        cause, self._orthogonalizer_error = getattr(self, "_orthogonalizer_error", None), None
+        cause, self._orthogonalizer_error = self._orthogonalizer_error, None
         failed = bool(problems)
         # While a CUDA graph is captured nothing is read back: only this rank's problems (wrong shapes,
         # seen on the host) are raised then; the eager steps before a capture agree across ranks.
