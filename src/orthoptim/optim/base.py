@@ -589,12 +589,12 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                     if isinstance(p, Tensor):
                         found.setdefault(p, []).append(j)
             return found
-        # A group whose options are invalid defers the state checks: its own check refuses the step.
-        self._state_checks_deferred = self._state_is_fresh and not self._remake_if_moved()
         # What a user's orthogonalizer did in a step that failed half-way is not this step's.
         self._orthogonalizer_problems, self._orthogonalizer_error = [], None
         refusal = None
         try:
+            # A group whose options are invalid defers the state checks: its own check refuses the step.
+            self._state_checks_deferred = self._state_is_fresh and not self._remake_if_moved()
             for index, group in enumerate(self.param_groups):
                 # Options may change between steps (LR schedules, a fraction schedule, a hand edit): a NaN
                 # lr, a fraction above 1 or num_heads that do not divide the rows are refused here, before
