@@ -1280,6 +1280,64 @@ def test_a_transpose_edited_before_the_first_step_makes_the_per_row_state_again(
     assert torch.equal(p, q)
 
 
+def _ported_run(name, how, *, reference):
+    """Two steps of an optimizer whose lin.weight momentum was set by hand before its first step
+    (porting a run: docs/porting.md), after one of the conversions ``how`` names."""
+    model = make_model()
+    buf = torch.randn(model.lin.weight.shape, generator=torch.Generator().manual_seed(5))
+    convert = {"replaced": lambda m: m.to(torch.bfloat16), "other_converted": lambda m: m.norm.to(torch.float64),
+               "replaced_then_converted": lambda m: m.to(torch.bfloat16)}[how]
+    if reference:  # built after the conversion, the momentum written into the state it made
+        convert(model)
+    opt = CLASSES[name](orthoptim.param_groups(model), lr=0.02)
+    w = model.lin.weight
+    if reference:
+        opt.state[w]["momentum"].copy_(buf)
+    elif how == "replaced":  # an fp32 buffer for a parameter built in bf16
+        convert(model)
+        opt = CLASSES[name](orthoptim.param_groups(model), lr=0.02)
+        w = model.lin.weight
+        opt.state[w]["momentum"] = buf.clone()
+    elif how == "other_converted":  # written in place, then a parameter it does not belong to converted
+        opt.state[w]["momentum"].copy_(buf)
+        convert(model)
+    else:  # replaced, then the whole model converted
+        opt.state[w]["momentum"] = buf.clone()
+        convert(model)
+    for t in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t)).to(p.dtype)
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("how", ["replaced", "other_converted", "replaced_then_converted"])
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_momentum_set_by_hand_before_the_first_step_is_kept_through_a_conversion(name, how):
+    """The first step's remake of moved state (above) threw away a momentum the user had set, with no
+    word: one of another dtype than the parameter, or any, once some other parameter was converted.
+    What the user set is kept, converted to the parameter's dtype and device, as a load converts it."""
+    (a, opt_a), (b, opt_b) = (_ported_run(name, how, reference=r) for r in (False, True))
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+    wa, wb = a.lin.weight, b.lin.weight
+    assert opt_a.state[wa]["momentum"].dtype == wa.dtype
+    assert torch.equal(opt_a.state[wa]["momentum"], opt_b.state[wb]["momentum"])
+
+
+def test_a_momentum_set_by_hand_in_a_wrong_shape_is_refused_at_the_first_step_by_name():
+    model = make_model()
+    opt = orthoptim.Dion3(orthoptim.param_groups(model), lr=0.02)
+    opt.state[model.lin.weight]["momentum"] = torch.ones(3, 3)
+    model.to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    held = {p: dict(st) for p, st in opt.state.items()}
+    with raises_naming(ValueError, "lin.weight", "'momentum' has shape (3, 3)"):
+        opt.step()
+    assert all(opt.state[p][k] is v for p, st in held.items() for k, v in st.items())
+
+
 def test_a_model_converted_after_a_step_is_refused_with_the_fix():
     """After a step the state is the run's: it is not remade, and the step says how to bring it along."""
     model, opt = live_optimizer("dion3")

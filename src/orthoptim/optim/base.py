@@ -251,6 +251,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         self._betas_warned: set[int] = set()
         # The transpose option each parameter's per-row state (variance, Dion's Q) was made under.
         self._state_transposed: dict[Tensor, bool] = {}
+        # Until the first step, the state tensors the optimizer made (``_record_made_state``).
+        self._made_state: dict[Tensor, dict[str, tuple[Tensor, int]]] = {}
         _refuse_a_set(params, "params")  # torch.optim checks this in groups only
         super().__init__(params, full)
         # The state is as the constructor made it (zeros, Dion's seeded Q) until a step or a load:
@@ -272,7 +274,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # Dropped as torch.optim drops them: hooks, and what shadows a method of the class (an LR
         # scheduler's wrapper of step, bound to the original optimizer: a copy would step that one).
         kept = {key: value for key, value in self.__dict__.items()
-                if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)}
+                if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)
+                and key != "_made_state"}  # the copy's own tensors are recorded by __setstate__
         # A tensor view pickles its whole storage: views into a stack (stacked_state) go as the stack,
         # once, and where each lies in it.
         kept["state"] = defaultdict(dict, {p: {key: for_copying(value) for key, value in state.items()}
@@ -303,6 +306,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         if "defaults" in state:  # unpickled or copied (torch.optim's load_state_dict also lands here)
             for group in self.param_groups:  # state standing alone (an older pickle) is stacked again
                 self._stack_selection_state(group, from_state=True)
+        self._made_state = {}
+        if self._state_is_fresh:  # a copy made before the first step: its state counts as made
+            self._record_made_state(list(self.state))
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -386,12 +392,14 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             self._stack_selection_state(group)
             for p in group["params"]:
                 self._init_state(p, group)
+            self._record_made_state(group["params"])
         except BaseException:
             # Out of memory (or interrupted) while making the group's state: the group is taken out
             # again, so that the call can be retried, instead of a half-made group that refuses it.
             self.param_groups.pop()
             for p in group["params"]:
                 self.state.pop(p, None)
+                self._made_state.pop(p, None)
             for p in added:
                 self._names.pop(p, None)
                 self._positions.pop(p, None)
@@ -610,6 +618,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         if self._replicate_group is not None:
             self._average_gradients(work)
         self._state_is_fresh = False
+        self._made_state.clear()
         for group, params in work:
             if not params:
                 continue
@@ -635,8 +644,9 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         (``model.to(torch.bfloat16)`` or ``model.cuda()`` after the optimizer was built, which torch.optim's
         lazily made state allows), or under a ``transpose`` edited since, is made again for every
         parameter as a new optimizer would make it (zeros, Dion's Q from the same seed; capturable
-        learning rates on the new device). Not while a group's options are invalid: the step's checks
-        then refuse them with nothing changed (False: not made again for that reason)."""
+        learning rates on the new device), and what the user set in it by hand (a ported momentum)
+        written back, converted to the parameter's dtype and device. Not while a group's options are
+        invalid: the step's checks then refuse them with nothing changed (False: not made again for that reason)."""
         if not self._state_moved():
             return True
         for index, group in enumerate(self.param_groups):
@@ -644,6 +654,17 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 self._validate_at_step(group, f"param group {index}")
             except ValueError:
                 return False
+        hand_set = self._state_set_by_hand()
+        for group in self.param_groups:  # a shape set by hand is named here, else the first moved state would be
+            for p in group["params"]:
+                if p in hand_set:
+                    try:
+                        expected = self._expected_state_shapes(p, group)
+                    except Exception:  # options the parameter's shape breaks: the step's checks say which
+                        continue
+                    wrong = self._misshapen_state(hand_set[p], expected)
+                    if wrong is not None:
+                        raise ValueError(self._state_shape_error(p, group, *wrong))
         saved = (dict(self.state), dict(self._state_transposed), [g["lr"] for g in self.param_groups])
         try:
             self.state.clear()
@@ -655,6 +676,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 self._stack_selection_state(group)
                 for p in group["params"]:
                     self._init_state(p, group)
+            self._restore_set_by_hand(hand_set)
         except BaseException as error:  # left as it was
             self.state.clear()
             self.state.update(saved[0])

@@ -27,6 +27,12 @@ from orthoptim.optim.validation import MATRIX_ALGORITHMS, options_read_by, valid
 from orthoptim.orthogonalize import normalize_columns
 from orthoptim.rules.selection import ceil_fraction
 
+
+def _version(t: Any) -> int | None:
+    """A tensor's in-place version counter (a DTensor's: its local shard's); None for other values."""
+    return local_tensor(t)._version if isinstance(t, Tensor) else None
+
+
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
 DION_Q_SEED = 20250405
 
@@ -131,6 +137,49 @@ class StateKeeping:
                 q = normalize_columns(torch.randn(shape, generator=gen, dtype=torch.float32, device="cpu"),
                                       group["epsilon"])
                 state["Q"] = q.to(device=p.device, dtype=p.dtype)
+
+    def _record_made_state(self, params: list[Tensor]) -> None:
+        """Until the first step: the state tensors the optimizer made for ``params`` and their in-place
+        version, so that the remake of moved state (``_remake_if_moved``) tells them from what the
+        user set or wrote by hand (a ported momentum: docs/porting.md), which it keeps."""
+        for p in params:
+            self._made_state[p] = {key: (value, _version(value)) for key, value in self.state.get(p, {}).items()
+                                   if isinstance(value, Tensor)}
+
+    def _state_set_by_hand(self) -> dict[Tensor, dict[str, Any]]:
+        """Each parameter's state entries that are not as the optimizer made them: replaced, added, or
+        written in place. (A stack's views share one version: a write into one marks its whole stack,
+        whose other entries then hold what was made, which is kept alike.)"""
+        found: dict[Tensor, dict[str, Any]] = {}
+        for p, state in self.state.items():
+            made = self._made_state.get(p, {})
+            for key, value in state.items():
+                record = made.get(key)
+                if record is None or record[0] is not value or _version(value) != record[1]:
+                    found.setdefault(p, {})[key] = value
+        return found
+
+    def _restore_set_by_hand(self, hand_set: dict[Tensor, dict[str, Any]]) -> None:
+        """After the state was made again: what the user had set goes back into it, converted to the
+        dtype and device made for it, as a load converts it. A shape the parameter no longer has is a
+        ValueError (the step's check of state shapes names it)."""
+        for p, entries in hand_set.items():
+            state = self.state[p]
+            for key, value in entries.items():
+                made = state.get(key)
+                if not (isinstance(made, Tensor) and isinstance(value, Tensor)):
+                    state[key] = value
+                    continue
+                if value.shape != made.shape and not (key == "step" and value.numel() == 1):
+                    raise ValueError(f"state {key!r} of {self.param_name(p)} set by hand has the shape "
+                                     f"{tuple(value.shape)}, not {tuple(made.shape)}")
+                try:
+                    made.copy_(value.reshape(made.shape))
+                except RuntimeError as error:
+                    raise TypeError(
+                        f"parameter {self.param_name(p)}: its state {key!r}, set by hand before the first step, "
+                        f"cannot be converted to the {made.dtype} {type(made).__name__} on {made.device} that the "
+                        f"parameter needs ({error}); set it as one, or set it after model.to(...)") from error
 
     def _row_state(self, p: Tensor, group: dict[str, Any]) -> Tensor:
         """Zeros [batch, rows] in fp32 (fp64 for fp64 parameters); for a DTensor parameter a DTensor,
@@ -397,6 +446,7 @@ class StateKeeping:
         matches = self._check_loadable(state_dict)
         self._checked_groups.clear()  # the next step checks the loaded options and state afresh
         self._state_is_fresh = False  # loaded state is kept as it is
+        self._made_state.clear()
         self._steps_since_replica_sync = 0  # every replica loads the same momenta
         # torch.optim casts every floating state tensor to the parameter's dtype; the per-row variance
         # is at least fp32 by design, so it is taken from the saved copy rather than the rounded one.
