@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import pickle
 import re
 import warnings
 
@@ -1336,6 +1337,71 @@ def test_a_momentum_set_by_hand_in_a_wrong_shape_is_refused_at_the_first_step_by
     with raises_naming(ValueError, "lin.weight", "'momentum' has shape (3, 3)"):
         opt.step()
     assert all(opt.state[p][k] is v for p, st in held.items() for k, v in st.items())
+
+
+@pytest.mark.parametrize("copy_with", ["deepcopy", "pickle"])
+def test_a_copy_keeps_which_state_was_set_by_hand(copy_with):
+    """A copy made before the first step records its own tensors as made, except what the user set:
+    that is kept through the copy's first-step remake as through the original's."""
+    runs = []
+    for copied in (False, True):
+        model = make_model()
+        opt = orthoptim.Dion2(orthoptim.param_groups(model), lr=0.02)
+        buf = torch.randn(model.lin.weight.shape, generator=torch.Generator().manual_seed(5))
+        opt.state[model.lin.weight]["momentum"].copy_(buf)
+        if copied and copy_with == "deepcopy":
+            model, opt = copy.deepcopy((model, opt))
+        elif copied:
+            model, opt = pickle.loads(pickle.dumps((model, opt)))
+        model.to(torch.bfloat16)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        runs.append(opt.state[model.lin.weight]["momentum"])
+    assert runs[1].abs().max() > 0.5
+    assert torch.equal(*runs)
+
+
+def test_a_first_step_refused_after_the_remake_leaves_the_state_counted_as_made():
+    """A non-finite gradient refuses the first step after its remake; converted back, the next remake
+    makes Dion's Q afresh (it copied the bf16-rounded Q, as if set by hand)."""
+    model = make_model()
+    opt = orthoptim.Dion(orthoptim.param_groups(model), lr=0.02)
+    model.to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    with pytest.raises(orthoptim.NonFiniteGradientError):
+        opt.step()
+    model.to(torch.float32)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    fresh_model = make_model()
+    fresh = orthoptim.Dion(orthoptim.param_groups(fresh_model), lr=0.02)
+    for p in fresh_model.parameters():
+        p.grad = torch.ones_like(p)
+    fresh.step()
+    assert torch.equal(opt.state[model.lin.weight]["Q"], fresh.state[fresh_model.lin.weight]["Q"])
+
+
+def test_state_set_by_hand_that_a_load_would_refuse_is_refused_by_name():
+    model = make_model()
+    opt = orthoptim.Muon(orthoptim.param_groups(model), lr=0.02)
+    opt.state[model.lin.weight]["momentum"] = torch.zeros(model.lin.weight.shape, dtype=torch.complex64)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with raises_naming(ValueError, "lin.weight", "'momentum'", "complex64", "floating-point"):
+        opt.step()
+
+
+def test_an_optimizer_can_be_built_under_inference_mode():
+    model = make_model()
+    with torch.inference_mode():
+        opt = orthoptim.Dion3(orthoptim.param_groups(model), lr=0.02)
+    model.to(torch.bfloat16)  # then made again as normal tensors
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
 
 
 def test_a_model_converted_after_a_step_is_refused_with_the_fix():

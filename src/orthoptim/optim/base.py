@@ -16,6 +16,7 @@ import functools
 import inspect
 import math
 import operator
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -252,7 +253,7 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # The transpose option each parameter's per-row state (variance, Dion's Q) was made under.
         self._state_transposed: dict[Tensor, bool] = {}
         # Until the first step, the state tensors the optimizer made (``_record_made_state``).
-        self._made_state: dict[Tensor, dict[str, tuple[Tensor, int]]] = {}
+        self._made_state: dict[Tensor, dict[str, tuple[weakref.ref[Tensor], int | None]]] = {}
         _refuse_a_set(params, "params")  # torch.optim checks this in groups only
         super().__init__(params, full)
         # The state is as the constructor made it (zeros, Dion's seeded Q) until a step or a load:
@@ -274,8 +275,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         # Dropped as torch.optim drops them: hooks, and what shadows a method of the class (an LR
         # scheduler's wrapper of step, bound to the original optimizer: a copy would step that one).
         kept = {key: value for key, value in self.__dict__.items()
-                if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)
-                and key != "_made_state"}  # the copy's own tensors are recorded by __setstate__
+                if not (key.startswith("_optimizer_") and key.endswith("_hooks")) and not hasattr(type(self), key)}
+        # Weak references do not copy: the copy records its own state's tensors, but only those that
+        # are as the optimizer made them (what the user set stays the user's).
+        kept["_made_state"] = self._made_keys() if self._state_is_fresh else {}
         # A tensor view pickles its whole storage: views into a stack (stacked_state) go as the stack,
         # once, and where each lies in it.
         kept["state"] = defaultdict(dict, {p: {key: for_copying(value) for key, value in state.items()}
@@ -306,9 +309,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
         if "defaults" in state:  # unpickled or copied (torch.optim's load_state_dict also lands here)
             for group in self.param_groups:  # state standing alone (an older pickle) is stacked again
                 self._stack_selection_state(group, from_state=True)
+        made_keys = self.__dict__.get("_made_state")  # None: pickled by a version that did not keep them
         self._made_state = {}
-        if self._state_is_fresh:  # a copy made before the first step: its state counts as made
-            self._record_made_state(list(self.state))
+        if self._state_is_fresh:  # a copy made before the first step
+            self._record_made_state(list(self.state), only=made_keys)
 
     # ----------------------------------------------------------------------------- groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -655,16 +659,10 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
             except ValueError:
                 return False
         hand_set = self._state_set_by_hand()
-        for group in self.param_groups:  # a shape set by hand is named here, else the first moved state would be
+        for group in self.param_groups:  # named here: else the step's checks would name the first moved state
             for p in group["params"]:
                 if p in hand_set:
-                    try:
-                        expected = self._expected_state_shapes(p, group)
-                    except Exception:  # options the parameter's shape breaks: the step's checks say which
-                        continue
-                    wrong = self._misshapen_state(hand_set[p], expected)
-                    if wrong is not None:
-                        raise ValueError(self._state_shape_error(p, group, *wrong))
+                    self._check_set_by_hand(p, group, hand_set[p])
         saved = (dict(self.state), dict(self._state_transposed), [g["lr"] for g in self.param_groups])
         try:
             self.state.clear()
@@ -676,6 +674,8 @@ class OrthonormalOptimizer(StateKeeping, GradientChecks, ShardedParameters, Chec
                 self._stack_selection_state(group)
                 for p in group["params"]:
                     self._init_state(p, group)
+            # Made again: a refused step leaves a state that a later remake must again tell from the user's.
+            self._record_made_state(list(self.state))
             self._restore_set_by_hand(hand_set)
         except BaseException as error:  # left as it was
             self.state.clear()

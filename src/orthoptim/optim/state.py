@@ -11,6 +11,7 @@ momenta over ``replicate_mesh`` when one is taken (``ShardedParameters.synchroni
 from __future__ import annotations
 
 import numbers
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +31,9 @@ from orthoptim.rules.selection import ceil_fraction
 
 def _version(t: Any) -> int | None:
     """A tensor's in-place version counter (a DTensor's: its local shard's); None for other values."""
-    return local_tensor(t)._version if isinstance(t, Tensor) else None
+    if not isinstance(t, Tensor) or t.is_inference():  # an inference tensor keeps no version
+        return None
+    return local_tensor(t)._version
 
 
 # Seed of Dion's random initial right factors: fixed, so every rank and every run starts alike.
@@ -138,13 +141,15 @@ class StateKeeping:
                                       group["epsilon"])
                 state["Q"] = q.to(device=p.device, dtype=p.dtype)
 
-    def _record_made_state(self, params: list[Tensor]) -> None:
-        """Until the first step: the state tensors the optimizer made for ``params`` and their in-place
-        version, so that the remake of moved state (``_remake_if_moved``) tells them from what the
-        user set or wrote by hand (a ported momentum: docs/porting.md), which it keeps."""
+    def _record_made_state(self, params: list[Tensor], *, only: dict[Tensor, list[str]] | None = None) -> None:
+        """Until the first step: the state tensors the optimizer made for ``params`` (weakly held: one the
+        user replaces is freed) and their in-place version, so that the remake of moved state
+        (``_remake_if_moved``) tells them from what the user set or wrote by hand (a ported momentum:
+        docs/porting.md), which it keeps. ``only``: the keys to record of each parameter (a copy's)."""
         for p in params:
-            self._made_state[p] = {key: (value, _version(value)) for key, value in self.state.get(p, {}).items()
-                                   if isinstance(value, Tensor)}
+            self._made_state[p] = {key: (weakref.ref(value), _version(value))
+                                   for key, value in self.state.get(p, {}).items()
+                                   if isinstance(value, Tensor) and (only is None or key in only.get(p, ()))}
 
     def _state_set_by_hand(self) -> dict[Tensor, dict[str, Any]]:
         """Each parameter's state entries that are not as the optimizer made them: replaced, added, or
@@ -155,24 +160,29 @@ class StateKeeping:
             made = self._made_state.get(p, {})
             for key, value in state.items():
                 record = made.get(key)
-                if record is None or record[0] is not value or _version(value) != record[1]:
+                if record is None or record[0]() is not value or _version(value) != record[1]:
                     found.setdefault(p, {})[key] = value
         return found
 
+    def _made_keys(self) -> dict[Tensor, list[str]]:
+        """Each parameter's state keys as the optimizer made them (for a copy, ``__getstate__``)."""
+        hand_set = self._state_set_by_hand()
+        return {p: [key for key in state if key not in hand_set.get(p, {})] for p, state in self.state.items()}
+
     def _restore_set_by_hand(self, hand_set: dict[Tensor, dict[str, Any]]) -> None:
         """After the state was made again: what the user had set goes back into it, converted to the
-        dtype and device made for it, as a load converts it. A shape the parameter no longer has is a
-        ValueError (the step's check of state shapes names it)."""
+        dtype and device made for it, as a load converts it (``_check_set_by_hand`` has refused what a
+        load refuses)."""
         for p, entries in hand_set.items():
             state = self.state[p]
             for key, value in entries.items():
                 made = state.get(key)
+                if isinstance(made, Tensor) and isinstance(value, numbers.Real) and not isinstance(value, bool):
+                    made.fill_(value)  # a step count set as a number
+                    continue
                 if not (isinstance(made, Tensor) and isinstance(value, Tensor)):
                     state[key] = value
                     continue
-                if value.shape != made.shape and not (key == "step" and value.numel() == 1):
-                    raise ValueError(f"state {key!r} of {self.param_name(p)} set by hand has the shape "
-                                     f"{tuple(value.shape)}, not {tuple(made.shape)}")
                 try:
                     made.copy_(value.reshape(made.shape))
                 except RuntimeError as error:
@@ -180,6 +190,25 @@ class StateKeeping:
                         f"parameter {self.param_name(p)}: its state {key!r}, set by hand before the first step, "
                         f"cannot be converted to the {made.dtype} {type(made).__name__} on {made.device} that the "
                         f"parameter needs ({error}); set it as one, or set it after model.to(...)") from error
+
+    def _check_set_by_hand(self, p: Tensor, group: dict[str, Any], entries: dict[str, Any]) -> None:
+        """Refuse state set by hand that the remake could not convert: a shape the parameter's state does
+        not have, or what a load refuses (an integer or complex tensor, a non-number step count)."""
+        try:
+            expected = self._expected_state_shapes(p, group)
+        except Exception:  # options the parameter's shape breaks: the step's checks say which
+            return
+        wrong = self._misshapen_state(entries, expected)
+        if wrong is not None:
+            raise ValueError(self._state_shape_error(p, group, *wrong))
+        malformed = self._malformed_state(entries, expected)
+        if malformed is not None:
+            key, what = malformed
+            raise ValueError(
+                f"parameter {self.param_name(p)}: its state {key!r}, set by hand, is {what}, where "
+                f"{group['algorithm']} keeps "
+                + ("a step count (a number or a one-element tensor)" if key == "step" else "a floating-point tensor")
+                + "; set it as one")
 
     def _row_state(self, p: Tensor, group: dict[str, Any]) -> Tensor:
         """Zeros [batch, rows] in fp32 (fp64 for fp64 parameters); for a DTensor parameter a DTensor,
