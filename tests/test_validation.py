@@ -1527,3 +1527,38 @@ def test_adjust_lr_original_is_torch_muons_default_scale(monkeypatch):
         # torch iterates in bf16; orthoptim in fp32 here: equal to bf16 round-off, a wide matrix's
         # update at √(m/n) = 0.5 of it would be off by half an update
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0.1 * 0.02, msg=str(shape))
+
+
+def test_a_torch_muon_momentum_ported_as_porting_md_says_continues_the_run(monkeypatch):
+    """docs/porting.md: torch's momentum_buffer is (1 − μ)·orthoptim's momentum. Three steps of
+    torch.optim.Muon, then its buffer set into a new orthoptim Muon: the next steps are torch's
+    (and without the buffer they are not)."""
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("this torch has no torch.optim.Muon")
+    monkeypatch.setenv("ORTHOPTIM_CPU_DTYPE", "float32")
+    mu, shape = 0.95, (16, 24)
+    theirs = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(9)))
+    torch_muon = torch.optim.Muon([theirs], lr=0.02, momentum=mu, nesterov=True, weight_decay=0.1)
+
+    def grad(t):
+        return torch.randn(shape, generator=torch.Generator().manual_seed(t))
+    for t in range(3):
+        theirs.grad = grad(t)
+        torch_muon.step()
+    runs = []
+    for ported in (True, False):
+        ours = torch.nn.Parameter(theirs.detach().clone())
+        mine = orthoptim.Muon([ours], lr=0.02, mu=mu, nesterov=True, weight_decay=0.1,
+                              orthogonalizer="newton_schulz", adjust_lr="original")
+        if ported:
+            mine.state[ours]["momentum"] = torch_muon.state[theirs]["momentum_buffer"] / (1 - mu)
+        runs.append((ours, mine))
+    for t in range(3, 6):
+        theirs.grad = grad(t)
+        torch_muon.step()
+        for ours, mine in runs:
+            ours.grad = grad(t)
+            mine.step()
+    (ported, _), (not_ported, _) = runs
+    torch.testing.assert_close(ported, theirs, rtol=0, atol=0.1 * 0.02)
+    assert (not_ported - theirs).abs().max() > 0.5 * 0.02
